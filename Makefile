@@ -1,0 +1,45 @@
+# Self-documenting Makefile: `make help` lists the targets.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Caches live inside the repo so runs never write to unknown places.
+export XDG_CACHE_HOME ?= $(CURDIR)/.cache
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+export TRITON_CACHE_DIR ?= $(CURDIR)/.cache/triton
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.DEFAULT_GOAL := help
+.PHONY: help venv train test test-slow lint bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP) ## create .venv with the pinned requirements (torch held by constraints.txt)
+
+train: $(STAMP) ## run the default training (small GPT, BPE, standard-library corpus)
+	$(PY) train.py $(ARGS)
+
+test: $(STAMP) ## the fast test suite (CI runs this)
+	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
+
+test-slow: $(STAMP) ## the slow tests (longer runs, bigger shapes)
+	$(PY) -m pytest -m "slow and not gpu" $(ARGS)
+
+lint: $(STAMP) ## ruff
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(STAMP) ## our training step against transformers' GPT2LMHeadModel
+	$(PY) benchmarks/step_vs_transformers.py $(ARGS)
+
+clean: ## remove outputs and caches (keeps .venv)
+	rm -rf outputs multirun .cache .pytest_cache .ruff_cache

@@ -1,0 +1,309 @@
+"""Typed configuration: one dataclass per Hydra config group, registered in a ConfigStore.
+
+YAML files under conf/ fill these schemas; Hydra refuses unknown keys and wrong types, and the
+``__post_init__`` checks here refuse impossible values with one line naming the problem and
+the fix, before any rank starts. Cross-group checks live in :func:`validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from llm.errors import ConfigError
+
+
+def _require_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{owner}.{name}={value} must be > 0; set a positive value")
+
+
+def _require_choice(owner: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{owner}.{name}={value!r} is unknown; choose one of {', '.join(choices)}")
+
+
+@dataclass
+class ModelConfig:
+    """A model from the registry (llm.models.MODEL_SHAPES); the fields below override its shape."""
+
+    name: str = "gpt2-tiny"
+    init_from: str | None = None  # a local Hugging Face checkpoint directory to load weights from
+    vocab_size: int | None = None  # None: the tokenizer's vocabulary size
+    max_seq_len: int | None = None
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            "model",
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            d_ff=self.d_ff,
+        )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+
+@dataclass
+class AttentionConfig:
+    backend: str = "sdpa"  # eager | sdpa (later: flash_attn, triton)
+
+
+@dataclass
+class ParallelismConfig:
+    name: str = "single"  # single | ddp
+    dp_size: int = -1  # -1: every rank is a data-parallel rank
+    tp_size: int = 1
+    pp_size: int = 1
+    bucket_cap_mb: float = 25.0  # DDP gradient bucket size
+    find_unused_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        _require_choice("parallelism", "name", self.name, ("single", "ddp"))
+        _require_positive(
+            "parallelism", tp_size=self.tp_size, pp_size=self.pp_size, bucket_cap_mb=self.bucket_cap_mb
+        )
+        if self.dp_size == 0 or self.dp_size < -1:
+            raise ConfigError(f"parallelism.dp_size={self.dp_size} must be > 0, or -1 for all ranks")
+        if self.tp_size > 1 or self.pp_size > 1:
+            raise ConfigError(
+                "parallelism.tp_size/pp_size > 1 is not implemented yet; use tp_size=1 pp_size=1"
+            )
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "auto"  # auto | fp32 | tf32 | bf16
+
+    def __post_init__(self) -> None:
+        _require_choice("precision", "name", self.name, ("auto", "fp32", "tf32", "bf16"))
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # adamw | sgd (llm.optim.OPTIMIZERS is the registry)
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    fused: bool | None = None  # None: torch picks
+
+    def __post_init__(self) -> None:
+        _require_positive("optimizer", lr=self.lr, eps=self.eps)
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay={self.weight_decay} must be >= 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.betas={list(self.betas)} must be two values in [0, 1)")
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "cosine"  # cosine | linear | constant | wsd
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # the final lr as a fraction of optimizer.lr
+    decay_ratio: float = 0.2  # wsd: the share of steps spent decaying at the end
+
+    def __post_init__(self) -> None:
+        _require_choice("scheduler", "name", self.name, ("cosine", "linear", "constant", "wsd"))
+        if self.warmup_steps < 0:
+            raise ConfigError(f"scheduler.warmup_steps={self.warmup_steps} must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"scheduler.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 < self.decay_ratio <= 1.0:
+            raise ConfigError(f"scheduler.decay_ratio={self.decay_ratio} must be in (0, 1]")
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # stdlib | wikitext2 | wikitext103 | files
+    path: str | None = None  # data=files: a file, folder or glob (.txt/.md/.py, .jsonl, .parquet)
+    text_field: str = "text"  # the column holding text in jsonl / parquet / hub datasets
+    hub_id: str | None = None  # wikitext: None is Salesforce/wikitext; or a local copy of that repo
+    tokenizer: str = "bpe"  # byte | bpe | a local Hugging Face tokenizer directory or tokenizer.json
+    vocab_size: int = 4096  # bpe only
+    tokenizer_train_bytes: int = 8_000_000  # bpe is trained on this much of the train split
+    seq_len: int = 256
+    packing: bool = True  # False: one document per sample, padded, targets masked
+    val_fraction: float = 0.02  # stdlib / files: share of files (one file: documents) held out
+    max_val_batches: int = 20
+    cache_dir: str = "${oc.env:LLM_CACHE_DIR,.cache/llm}"  # tokenizers and token caches
+
+    def __post_init__(self) -> None:
+        _require_choice("data", "name", self.name, ("stdlib", "wikitext2", "wikitext103", "files"))
+        _require_positive(
+            "data",
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            tokenizer_train_bytes=self.tokenizer_train_bytes,
+            max_val_batches=self.max_val_batches,
+        )
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        if self.name == "files" and not self.path:
+            raise ConfigError("data=files needs data.path=PATH (a file, folder or glob)")
+        if self.tokenizer == "bpe" and self.vocab_size < 257:
+            raise ConfigError(
+                f"data.vocab_size={self.vocab_size} is below the 256 bytes + <|endoftext|> a "
+                "byte-level BPE starts from; use >= 257 (or data.tokenizer=byte)"
+            )
+
+
+@dataclass
+class RecomputeConfig:
+    name: str = "none"  # none | full
+    every: int = 1  # full: recompute every k-th block (1 = all blocks)
+
+    def __post_init__(self) -> None:
+        _require_choice("recompute", "name", self.name, ("none", "full"))
+        _require_positive("recompute", every=self.every)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"  # wandb | none (metrics.jsonl and summary.json are always written)
+    project: str = "llm-training-lab"
+    entity: str | None = None
+    mode: str = "auto"  # auto: online when W&B credentials exist, else offline
+    group: str | None = None  # None: the sweep directory name under -m, else no group
+    tags: list[str] = field(default_factory=list)
+    progress: bool = True  # the rank-0 progress bar
+
+    def __post_init__(self) -> None:
+        _require_choice("logger", "name", self.name, ("wandb", "none"))
+        _require_choice("logger", "mode", self.mode, ("auto", "online", "offline", "disabled"))
+
+
+@dataclass
+class MonitorConfig:
+    name: str = "default"  # default | none
+    stop_on_nan: bool = True
+    loss_spike_factor: float = 3.0  # alert when loss > factor * its running mean
+    grad_norm_alert: float = 100.0  # alert when the pre-clip grad norm exceeds this
+    max_alerts: int = 20
+
+    def __post_init__(self) -> None:
+        _require_choice("monitor", "name", self.name, ("default", "none"))
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    nproc_per_node: int = 1
+    backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port is picked per job (safe for -m sweeps)
+
+    def __post_init__(self) -> None:
+        _require_positive("launcher", nproc_per_node=self.nproc_per_node)
+        _require_choice("launcher", "backend", self.backend, ("auto", "gloo", "nccl"))
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300  # the schedule's length
+    stop_at_step: int | None = None  # end this invocation here (time-boxed jobs); resume later
+    micro_batch_size: int = 16
+    grad_accum_steps: int = 1
+    seed: int = 1234
+    log_every: int = 10
+    eval_every: int = 100
+    grad_clip: float = 1.0  # 0 disables clipping
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            "train",
+            max_steps=self.max_steps,
+            micro_batch_size=self.micro_batch_size,
+            grad_accum_steps=self.grad_accum_steps,
+            log_every=self.log_every,
+            eval_every=self.eval_every,
+        )
+        if self.stop_at_step is not None and not 0 < self.stop_at_step <= self.max_steps:
+            raise ConfigError(
+                f"train.stop_at_step={self.stop_at_step} must be in 1..train.max_steps={self.max_steps}"
+            )
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
+        _require_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # 0: only at the end of training
+    keep_last: int = 2
+    resume: str = "auto"  # auto | none | PATH
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every={self.every} must be >= 0 (0: only at the end)")
+        _require_positive("checkpoint", keep_last=self.keep_last)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output_dir: str = "outputs/run"  # conf/config.yaml points it at Hydra's run directory
+    sweep_name: str | None = None  # set by train.py under -m: the W&B group
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "attention": AttentionConfig,
+    "parallelism": ParallelismConfig,
+    "precision": PrecisionConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "data": DataConfig,
+    "recompute": RecomputeConfig,
+    "logger": LoggerConfig,
+    "monitor": MonitorConfig,
+    "launcher": LauncherConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the root schema and one schema per group, so every YAML is type-checked."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+
+
+def to_dataclass(cfg: Any) -> Config:
+    """Turn a resolved DictConfig into a Config; the __post_init__ checks run here."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+
+
+__all__ = ["GROUPS", "MISSING", "Config", "register_configs", "to_dataclass"]

@@ -1,0 +1,23 @@
+"""Corpora, tokenizers, token caches and the distributed, resumable loaders.
+
+prepare_data(cfg) -> PreparedData(tokenizer, train, val); then per rank
+build_train_loader(...) (endless, resumable) and build_val_loader(...) (re-iterable).
+"""
+
+from llm.data.dataset import IGNORE, Batch, TokenDataset
+from llm.data.loader import TrainLoader, ValLoader
+from llm.data.prepare import PreparedData, build_train_loader, build_val_loader, prepare_data
+from llm.data.tokenizer import Tokenizer
+
+__all__ = [
+    "IGNORE",
+    "Batch",
+    "PreparedData",
+    "TokenDataset",
+    "Tokenizer",
+    "TrainLoader",
+    "ValLoader",
+    "build_train_loader",
+    "build_val_loader",
+    "prepare_data",
+]

@@ -1,0 +1,17 @@
+"""Errors that carry one line naming the problem and the fix; train.py prints them without a traceback."""
+
+
+class ConfigError(ValueError):
+    """An impossible or inconsistent configuration, found before any work starts."""
+
+
+class DataError(RuntimeError):
+    """A corpus, file or tokenizer that cannot be loaded as asked."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, or does not match the run."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a NaN loss, say); the message says why and what to change."""

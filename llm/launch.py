@@ -1,0 +1,178 @@
+"""Starting ranks. The one module that reads the environment (DESIGN.md): it finds out whether
+torchrun, Slurm or the deepspeed launcher already started this process as one rank, and
+otherwise spawns ``launcher.nproc_per_node`` local ranks itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import netrc
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from llm.config import Config
+from llm.errors import ConfigError, TrainingError
+
+REPO = Path(__file__).resolve().parent.parent
+ERRORS_DIR = ".rank_errors"
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+
+def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
+    """This process's rank when an outside launcher started it, else None."""
+    env = os.environ if env is None else env
+    # torchrun and the deepspeed launcher both export the torch.distributed variables.
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return RankEnv(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env["WORLD_SIZE"]),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return RankEnv(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=int(env["SLURM_NTASKS"]),
+            master_addr=env.get("MASTER_ADDR") or _slurm_first_host(env),
+            # Every task must agree on the port without talking: derive it from the job id.
+            master_port=int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)),
+        )
+    return None
+
+
+def _slurm_first_host(env) -> str:
+    nodelist = env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+        )
+        return out.stdout.split()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return nodelist
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """'auto' becomes online only when W&B credentials exist, so a fresh machine never
+    blocks on a login prompt; WANDB_MODE, when set, wins as wandb itself would have it."""
+    if mode != "auto":
+        return mode
+    if os.environ.get("WANDB_MODE") in ("online", "offline", "disabled"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        hosts = netrc.netrc().hosts
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        hosts = {}
+    return "online" if "api.wandb.ai" in hosts else "offline"
+
+
+def set_cache_dirs(root: Path = REPO / ".cache") -> None:
+    """JIT builds and compile caches go to known folders (kept between runs, never in ~)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_for_ranks(cfg: Config) -> Config:
+    """Resolve everything that must be the same on every rank before they start."""
+    logger = dataclasses.replace(cfg.logger, mode=resolve_wandb_mode(cfg.logger.mode))
+    data = dataclasses.replace(cfg.data, cache_dir=str(Path(cfg.data.cache_dir).resolve()))
+    return dataclasses.replace(
+        cfg, logger=logger, data=data, output_dir=str(Path(cfg.output_dir).resolve())
+    )
+
+
+def launch(cfg: Config) -> dict:
+    """Run training: in this process when a launcher made it a rank (or for one rank),
+    else by spawning local ranks. Returns the run summary."""
+    from llm import run
+    from llm.data import prepare_data
+
+    set_cache_dirs()
+    cfg = prepare_for_ranks(cfg)
+    env = external_rank_env()
+    if env is not None:
+        return run.main(cfg, env)
+    # Tokenizer training and tokenising happen once here, not once per rank.
+    prepare_data(cfg.data)
+    n = cfg.launcher.nproc_per_node
+    if n == 1:
+        return run.main(cfg, RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port()))
+    return _spawn(cfg, n)
+
+
+def _spawn(cfg: Config, n: int) -> dict:
+    # A fresh port per job: under -m, consecutive jobs in one process must not collide.
+    port = cfg.launcher.master_port or free_port()
+    errors = Path(cfg.output_dir) / ERRORS_DIR
+    shutil.rmtree(errors, ignore_errors=True)  # left by an earlier failed run in this dir
+    context = mp.start_processes(
+        _rank_entry,
+        args=(cfg, n, cfg.launcher.master_addr, port),
+        nprocs=n,
+        join=False,
+        start_method="spawn",
+    )
+    previous = signal.signal(signal.SIGTERM, lambda *_: _forward(context, signal.SIGTERM))
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as exc:
+        messages = sorted(errors.glob("rank*.txt")) if errors.is_dir() else []
+        if messages:
+            raise TrainingError(messages[0].read_text().strip()) from None
+        raise TrainingError(f"rank {exc.error_index} exited with code {exc.exit_code}") from exc
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return _read_summary(cfg)
+
+
+def _forward(context, sig) -> None:
+    # Slurm signals the launcher; ranks must hear it too to checkpoint before the kill.
+    for process in context.processes:
+        if process.is_alive():
+            os.kill(process.pid, sig)
+
+
+def _read_summary(cfg: Config) -> dict:
+    return json.loads((Path(cfg.output_dir) / "summary.json").read_text())
+
+
+def _rank_entry(local_rank: int, cfg: Config, world_size: int, addr: str, port: int) -> None:
+    from llm import run
+    from llm.errors import CheckpointError, DataError
+
+    env = RankEnv(local_rank, local_rank, world_size, addr, port)
+    try:
+        run.main(cfg, env)
+    except (ConfigError, DataError, CheckpointError, TrainingError) as exc:
+        # Our errors are one line for the user; the parent re-raises the first one.
+        errors = Path(cfg.output_dir) / ERRORS_DIR
+        errors.mkdir(parents=True, exist_ok=True)
+        (errors / f"rank{local_rank}.txt").write_text(str(exc))
+        raise SystemExit(2) from None

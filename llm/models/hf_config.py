@@ -1,0 +1,135 @@
+"""ModelArgs <-> Hugging Face configs (GPT2Config, LlamaConfig), refusing what we cannot run."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from llm.errors import ConfigError
+from llm.models.args import ModelArgs, RopeScaling
+
+if TYPE_CHECKING:  # transformers is imported on use: it adds ~2 s to `import llm.models`
+    from transformers import GPT2Config, LlamaConfig, PretrainedConfig
+
+
+def _unsupported(path: Any, what: str) -> ConfigError:
+    return ConfigError(f"{path}/config.json uses {what}, which llm.models cannot run; "
+                       "load it with transformers directly or convert it first")
+
+
+def args_from_hf(cfg: PretrainedConfig, path: Any) -> ModelArgs:
+    """The ModelArgs of a GPT-2 or Llama checkpoint's config; ``path`` only names it in errors."""
+    if cfg.model_type == "gpt2":
+        return _gpt2_args(cfg, path)
+    if cfg.model_type == "llama":
+        return _llama_args(cfg, path)
+    raise ConfigError(
+        f"{path} holds a {cfg.model_type!r} checkpoint; from_hf loads gpt2 and llama ones"
+    )
+
+
+def _gpt2_args(cfg: GPT2Config, path: Any) -> ModelArgs:
+    if cfg.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise _unsupported(path, f"activation_function={cfg.activation_function!r}")
+    if not cfg.scale_attn_weights or cfg.scale_attn_by_inverse_layer_idx:
+        raise _unsupported(path, "non-standard attention scaling")
+    if cfg.add_cross_attention:
+        raise _unsupported(path, "cross-attention")
+    return ModelArgs(
+        family="gpt2",
+        vocab_size=cfg.vocab_size,
+        max_seq_len=cfg.n_positions,
+        d_model=cfg.n_embd,
+        n_layers=cfg.n_layer,
+        n_heads=cfg.n_head,
+        n_kv_heads=cfg.n_head,
+        d_ff=cfg.n_inner or 4 * cfg.n_embd,
+        norm_eps=cfg.layer_norm_epsilon,
+        tie_embeddings=cfg.tie_word_embeddings,
+        dropout=cfg.resid_pdrop,
+    )
+
+
+def _llama_args(cfg: LlamaConfig, path: Any) -> ModelArgs:
+    if cfg.hidden_act != "silu" or cfg.attention_bias or cfg.mlp_bias:
+        raise _unsupported(path, "a non-SwiGLU MLP or biases")
+    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        raise _unsupported(path, f"head_dim={cfg.head_dim} != hidden_size / num_attention_heads")
+    rope = cfg.rope_parameters
+    if rope["rope_type"] not in ("default", "llama3"):
+        raise _unsupported(path, f"rope_type={rope['rope_type']!r}")
+    scaling = None
+    if rope["rope_type"] == "llama3":
+        scaling = RopeScaling(
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_seq_len=rope["original_max_position_embeddings"],
+        )
+    return ModelArgs(
+        family="llama",
+        vocab_size=cfg.vocab_size,
+        max_seq_len=cfg.max_position_embeddings,
+        d_model=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads,
+        d_ff=cfg.intermediate_size,
+        norm_eps=cfg.rms_norm_eps,
+        rope_theta=rope["rope_theta"],
+        rope_scaling=scaling,
+        tie_embeddings=cfg.tie_word_embeddings,
+        dropout=cfg.attention_dropout,
+    )
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> PretrainedConfig:
+    """The transformers config of the same architecture (GPT2Config or LlamaConfig)."""
+    from transformers import GPT2Config, LlamaConfig
+    if args.family == "gpt2":
+        # GPT-2's special tokens (50256) only exist in the full vocabulary.
+        eos = 50256 if args.vocab_size > 50256 else None
+        return GPT2Config(
+            vocab_size=args.vocab_size,
+            n_positions=args.max_seq_len,
+            n_embd=args.d_model,
+            n_layer=args.n_layers,
+            n_head=args.n_heads,
+            n_inner=args.d_ff,
+            activation_function="gelu_new",
+            layer_norm_epsilon=args.norm_eps,
+            resid_pdrop=args.dropout,
+            embd_pdrop=args.dropout,
+            attn_pdrop=args.dropout,
+            initializer_range=args.init_std,
+            tie_word_embeddings=args.tie_embeddings,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            dtype=dtype,
+        )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        rope |= {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_seq_len,
+        }
+    return LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.d_model,
+        intermediate_size=args.d_ff,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_parameters=rope,
+        tie_word_embeddings=args.tie_embeddings,
+        attention_dropout=args.dropout,
+        initializer_range=args.init_std,
+        dtype=dtype,
+    )

@@ -1,0 +1,122 @@
+"""The pieces both families are built from: norms, rotary embeddings, attention, MLPs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llm.attention import attention, get_backend
+from llm.models.args import ModelArgs, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """Llama's norm, computed in fp32 and cast back before the gain, exactly as HF's LlamaRMSNorm
+    (so bf16 runs round at the same place)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device) -> Tensor:
+    """(D/2,) fp32 inverse frequencies theta^(-2i/D), with llama3 rescaling when configured."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
+    return inv_freq if args.rope_scaling is None else _llama3_scale(inv_freq, args.rope_scaling)
+
+
+def _llama3_scale(inv_freq: Tensor, s: RopeScaling) -> Tensor:
+    # Same arithmetic as HF's _compute_llama3_parameters, so Llama-3.x checkpoints match.
+    low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_freq_wavelen = s.original_max_seq_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    # HF's convention (halves, not interleaved pairs), so HF Llama weights need no permutation.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q: Tensor, k: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate q (B, H, T, D) and k (B, Hkv, T, D) by their positions 0..T-1."""
+    pos = torch.arange(q.size(2), device=q.device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)  # (T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q/k/v projections (each shards cleanly column-wise
+    under tensor parallelism, which a fused qkv does not); RoPE when the family uses it."""
+
+    def __init__(self, args: ModelArgs, backend: str) -> None:
+        super().__init__()
+        get_backend(backend)  # an unknown name fails at build time, not at the first step
+        self.args, self.backend = args, backend
+        bias = args.family == "gpt2"
+        kv_dim = args.n_kv_heads * args.head_dim
+        self.wq = nn.Linear(args.d_model, args.d_model, bias=bias)
+        self.wk = nn.Linear(args.d_model, kv_dim, bias=bias)
+        self.wv = nn.Linear(args.d_model, kv_dim, bias=bias)
+        self.wo = nn.Linear(args.d_model, args.d_model, bias=bias)
+        self.resid_dropout = nn.Dropout(args.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape  # (B, T, d)
+        a = self.args
+        q = self.wq(x).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.wv(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if a.family == "llama":
+            # Recomputed per call from the shape (a few T x D/2 ops): no buffer for to_empty to
+            # leave as garbage or for .to(bf16) to round.
+            q, k = apply_rope(q, k, rope_inv_freq(a, x.device))
+        p = a.dropout if self.training else 0.0
+        y = attention(q, k, v, causal=True, backend=self.backend, dropout_p=p)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(b, t, a.d_model)
+        return self.resid_dropout(self.wo(y))
+
+
+class GeluMLP(nn.Module):
+    """GPT-2's MLP: w2(gelu_tanh(w1 x)); tanh GELU is HF's "gelu_new"."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.d_model, args.d_ff)
+        self.w2 = nn.Linear(args.d_ff, args.d_model)
+        self.dropout = nn.Dropout(args.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.w2(F.gelu(self.w1(x), approximate="tanh")))
+
+
+class SwiGLU(nn.Module):
+    """Llama's MLP: w2(silu(w1 x) * w3 x); w1/w3/w2 are HF's gate/up/down projections."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.d_model, args.d_ff, bias=False)
+        self.w3 = nn.Linear(args.d_model, args.d_ff, bias=False)
+        self.w2 = nn.Linear(args.d_ff, args.d_model, bias=False)
+        self.dropout = nn.Dropout(args.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))

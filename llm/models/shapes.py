@@ -1,0 +1,99 @@
+"""The registry of named shapes and :func:`model_args`, the one way config turns into a shape."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from llm.errors import ConfigError
+from llm.models.args import ModelArgs, RopeScaling
+
+
+def _gpt2(d_model: int, n_layers: int, n_heads: int, **kw: Any) -> ModelArgs:
+    return ModelArgs(
+        family="gpt2",
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        d_ff=4 * d_model,
+        **kw,
+    )
+
+
+def _llama(**kw: Any) -> ModelArgs:
+    return ModelArgs(**{"family": "llama", "norm_eps": 1e-5, "tie_embeddings": False, **kw})
+
+
+MODEL_SHAPES: dict[str, ModelArgs] = {
+    # Test and laptop shapes; the trainer replaces vocab_size with the tokenizer's.
+    "gpt2-tiny": _gpt2(64, 2, 4, vocab_size=4096, max_seq_len=256),
+    "gpt2-mini": _gpt2(128, 4, 4, vocab_size=4096, max_seq_len=512),
+    # OpenAI's GPT-2 family (Radford et al. 2019); "small" is the 124M model.
+    "gpt2-small": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+    "dialogpt-large": _gpt2(1280, 36, 20),  # microsoft/DialoGPT-large: GPT-2 large weights shape
+    "llama-tiny": _llama(
+        vocab_size=4096, max_seq_len=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192
+    ),
+    # meta-llama/Llama-3.2-1B, including its llama3 RoPE rescaling and 128K context.
+    "llama-1b": _llama(
+        vocab_size=128256,
+        max_seq_len=131072,
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=8192,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        tie_embeddings=True,
+    ),
+    "llama2-7b": _llama(
+        vocab_size=32000,
+        max_seq_len=4096,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        d_ff=11008,
+    ),
+    "llama3-8b": _llama(
+        vocab_size=128256,
+        max_seq_len=8192,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def model_args(name: str, **overrides: Any) -> ModelArgs:
+    """The registered shape ``name`` with ``overrides`` applied; None values are ignored.
+
+    Two fields follow the ones they derive from unless overridden themselves, so that
+    ``n_heads=8`` or ``d_model=256`` on a GPT-2 shape stays a valid GPT-2: an MHA shape keeps
+    n_kv_heads == n_heads, and a shape with d_ff == 4 * d_model keeps that ratio.
+    """
+    if name not in MODEL_SHAPES:
+        raise ConfigError(
+            f"model.name={name!r} is unknown; choose one of {', '.join(MODEL_SHAPES)}"
+        )
+    base = MODEL_SHAPES[name]
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(ModelArgs)})
+    if unknown:
+        raise ConfigError(
+            f"model overrides {unknown} are not ModelArgs fields; "
+            f"use some of {', '.join(f.name for f in dataclasses.fields(ModelArgs))}"
+        )
+    if "n_heads" in changes and "n_kv_heads" not in changes and base.n_kv_heads == base.n_heads:
+        changes["n_kv_heads"] = changes["n_heads"]
+    if "d_model" in changes and "d_ff" not in changes and base.d_ff == 4 * base.d_model:
+        changes["d_ff"] = 4 * changes["d_model"]
+    return dataclasses.replace(base, **changes)

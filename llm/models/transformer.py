@@ -1,0 +1,74 @@
+"""One pre-norm decoder for both families; ModelArgs.family picks norm, MLP and positions.
+
+The layout is a contract with parallel/ and recompute.py: ``tok_embeddings``, ``layers`` (each
+:class:`Block` maps (B, T, d) -> (B, T, d) and is the unit of recompute and FSDP wrapping),
+``norm``, ``output``, and for GPT-2 ``pos_embeddings``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from llm.errors import ConfigError
+from llm.models.args import ModelArgs
+from llm.models.layers import Attention, GeluMLP, RMSNorm, SwiGLU
+
+
+def _norm(args: ModelArgs) -> nn.Module:
+    if args.family == "gpt2":
+        return nn.LayerNorm(args.d_model, eps=args.norm_eps)
+    return RMSNorm(args.d_model, eps=args.norm_eps)
+
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then + mlp(norm(x)); takes and returns (B, T, d) only, so
+    checkpoint wrappers and pipeline stages need no side inputs."""
+
+    def __init__(self, args: ModelArgs, attention_backend: str) -> None:
+        super().__init__()
+        self.attention_norm = _norm(args)
+        self.attention = Attention(args, attention_backend)
+        self.ffn_norm = _norm(args)
+        self.feed_forward = GeluMLP(args) if args.family == "gpt2" else SwiGLU(args)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, attention_backend: str = "sdpa") -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.d_model)
+        if args.family == "gpt2":
+            self.pos_embeddings = nn.Embedding(args.max_seq_len, args.d_model)
+        self.dropout = nn.Dropout(args.dropout)
+        self.layers = nn.ModuleList(Block(args, attention_backend) for _ in range(args.n_layers))
+        self.norm = _norm(args)
+        self.output = nn.Linear(args.d_model, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the output matrix with the token embedding when the shape says so. Call again
+        after anything that replaces parameters (to_empty, load_state_dict(assign=True))."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids (B, T) int64 -> logits (B, T, V) in the compute dtype (the trainer upcasts
+        for the loss, so fp32 logits are not materialised twice)."""
+        t = input_ids.size(1)
+        if t > self.args.max_seq_len:
+            raise ConfigError(
+                f"sequence length {t} exceeds model.max_seq_len={self.args.max_seq_len}; "
+                "lower data.seq_len or raise model.max_seq_len"
+            )
+        h = self.tok_embeddings(input_ids)  # (B, T, d)
+        if self.args.family == "gpt2":
+            h = h + self.pos_embeddings(torch.arange(t, device=input_ids.device))
+        h = self.dropout(h)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))  # (B, T, V)

@@ -1,0 +1,14 @@
+"""Optimizers by name (a registry later issues extend) and learning-rate schedules."""
+
+from llm.optim.factory import OPTIMIZERS, build_optimizer, param_groups, register_optimizer
+from llm.optim.schedule import SCHEDULES, build_scheduler, lr_multiplier
+
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "build_optimizer",
+    "build_scheduler",
+    "lr_multiplier",
+    "param_groups",
+    "register_optimizer",
+]

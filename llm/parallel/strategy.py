@@ -1,0 +1,81 @@
+"""The strategy protocol: every parallelism option looks the same to the Trainer.
+
+A strategy owns how a model is wrapped, how its optimizer is built, how gradients are
+produced and synchronised (forward and ``backward(loss)`` run inside ``micro_batch(sync)``,
+with sync False inside gradient accumulation), how a step is taken (clipping included),
+what its checkpoint state is, and what it holds and sends (``memory()``, ``comm()``).
+
+Convention: gradients are AVERAGED over data-parallel ranks (as DDP does), so the Trainer
+scales each rank's summed loss by dp_size / (target tokens in the global batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from llm.config import OptimizerConfig, ParallelismConfig
+from llm.errors import ConfigError
+from llm.parallel.mesh import ParallelDims
+from llm.precision import PrecisionPolicy
+
+
+@dataclass
+class StepResult:
+    grad_norm: float  # the global L2 norm before clipping
+    skipped: bool = False  # True when the step was not applied (overflow)
+    loss_scale: float = 1.0
+
+
+class Strategy(Protocol):
+    name: str
+    dims: ParallelDims
+
+    def wrap(self, model: nn.Module) -> nn.Module: ...
+
+    def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer: ...
+
+    def micro_batch(self, sync: bool) -> AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def clip_and_step(self, max_norm: float) -> StepResult: ...
+
+    def zero_grad(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def memory(self) -> dict[str, int]: ...
+
+    def comm(self) -> dict[str, int]: ...
+
+
+STRATEGIES: dict[str, Callable[..., Strategy]] = {}
+
+
+def register_strategy(name: str):
+    def decorator(cls):
+        STRATEGIES[name] = cls
+        return cls
+
+    return decorator
+
+
+def build_strategy(
+    cfg: ParallelismConfig, dims: ParallelDims, precision: PrecisionPolicy, device: torch.device
+) -> Strategy:
+    # Importing the modules registers them; done here so mesh/strategy stay import-light.
+    from llm.parallel import ddp, single  # noqa: F401
+
+    if cfg.name not in STRATEGIES:
+        raise ConfigError(
+            f"parallelism={cfg.name!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}"
+        )
+    return STRATEGIES[cfg.name](cfg, dims, precision, device)

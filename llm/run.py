@@ -1,0 +1,202 @@
+"""One rank's run: dist init -> model (meta) -> recompute -> wrap -> materialise ->
+optimizer -> data -> Trainer.fit -> summary.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import platform
+import subprocess
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from llm.config import Config
+from llm.errors import ConfigError
+from llm.data import build_train_loader, build_val_loader, prepare_data
+from llm.launch import RankEnv
+from llm.logging import NullLogger, RunLogger
+from llm.models import build_model, flops_per_token, from_hf, materialize, model_args, num_params
+from llm.optim import build_scheduler
+from llm.parallel import ParallelDims, build_strategy
+from llm.precision import resolve_precision
+from llm.recompute import apply_recompute
+from llm.train.checkpoint import Checkpointer
+from llm.train.metrics import peak_flops
+from llm.train.trainer import Trainer
+from llm.validate import resolve_device
+
+REPO = Path(__file__).resolve().parent.parent
+# Keys that name where or how a run is logged, not what it computes.
+_DIGEST_EXCLUDES = ("output_dir", "sweep_name", "logger", "checkpoint", "launcher")
+
+
+def config_digest(cfg: Config) -> str:
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _DIGEST_EXCLUDES}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def hardware(device: torch.device) -> dict:
+    info = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def init_distributed(env: RankEnv, device: torch.device, backend: str, needed: bool) -> None:
+    if not needed or dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(minutes=10),
+    )
+
+
+def build_model_for(cfg: Config, vocab_size: int):
+    """The model on the meta device (or loaded from a Hugging Face directory)."""
+    if cfg.model.init_from is not None:
+        model = from_hf(cfg.model.init_from, attention_backend=cfg.attention.backend)
+        return model, model.args, True
+    args = model_args(
+        cfg.model.name,
+        vocab_size=cfg.model.vocab_size or vocab_size,
+        max_seq_len=cfg.model.max_seq_len,
+        d_model=cfg.model.d_model,
+        n_layers=cfg.model.n_layers,
+        n_heads=cfg.model.n_heads,
+        n_kv_heads=cfg.model.n_kv_heads,
+        d_ff=cfg.model.d_ff,
+        dropout=cfg.model.dropout,
+    )
+    return build_model(args, attention_backend=cfg.attention.backend), args, False
+
+
+def main(cfg: Config, env: RankEnv) -> dict:
+    """Run training on this rank; every rank returns the same summary."""
+    device = resolve_device(cfg)
+    if device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    init_distributed(env, device, cfg.launcher.backend, env.world_size > 1 or cfg.parallelism.name != "single")
+    try:
+        return _train(cfg, env, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
+    torch.manual_seed(cfg.train.seed)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    precision = resolve_precision(cfg.precision.name, device)
+    precision.apply_backend_flags()
+    dims = ParallelDims.from_config(
+        cfg.parallelism.dp_size, cfg.parallelism.tp_size, cfg.parallelism.pp_size,
+        env.world_size, env.rank,
+    )
+    output_dir = Path(cfg.output_dir)
+
+    prepared = prepare_data(cfg.data)
+    model, args, loaded = build_model_for(cfg, prepared.tokenizer.vocab_size)
+    if args.vocab_size < prepared.tokenizer.vocab_size:
+        raise ConfigError(
+            f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
+            f"{prepared.tokenizer.vocab_size}; set model.vocab_size or use another data.tokenizer"
+        )
+    # Fixed order (torchtitan): recompute wraps blocks before the strategy wraps the model,
+    # and weights are materialised last, so large shapes never exist unsharded.
+    model = apply_recompute(model, cfg.recompute)
+    if not loaded:
+        model = materialize(model, device, cfg.train.seed)
+    else:
+        model = model.to(device)
+    strategy = build_strategy(cfg.parallelism, dims, precision, device)
+    model = strategy.wrap(model)
+    if cfg.train.compile:
+        model = torch.compile(model)
+    optimizer = strategy.build_optimizer(model, cfg.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps)
+
+    train_loader = build_train_loader(
+        prepared, cfg.data, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size, cfg.train.seed
+    )
+    val_loader = build_val_loader(prepared, cfg.data, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size)
+
+    run_config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    logger = (
+        RunLogger(
+            cfg.logger, output_dir, run_config, cfg.train.max_steps,
+            run_name=output_dir.name if cfg.sweep_name is None else f"{cfg.sweep_name}/{output_dir.name}",
+            group=cfg.logger.group or cfg.sweep_name,
+        )
+        if env.rank == 0
+        else NullLogger()
+    )
+    model_digest = hashlib.sha256(repr(args).encode()).hexdigest()[:16]
+    checkpointer = (
+        Checkpointer(output_dir / "checkpoints", cfg.checkpoint.keep_last, model_digest, env.world_size)
+        if cfg.checkpoint.enabled
+        else None
+    )
+    trainer = Trainer(
+        cfg, model, strategy, optimizer, scheduler, train_loader, val_loader, logger, checkpointer,
+        flops_per_token(args, cfg.data.seq_len), peak_flops(device, precision.flops_dtype), device,
+    )
+    try:
+        if checkpointer is not None and (path := checkpointer.resolve(cfg.checkpoint.resume)):
+            trainer.resume(path)
+        summary = trainer.fit()
+        summary.update(_run_facts(cfg, env, device, summary, args))
+        logger.summary(summary)
+        return summary
+    finally:
+        logger.close()
+
+
+def _gather(value):
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _run_facts(cfg: Config, env: RankEnv, device: torch.device, summary: dict, args) -> dict:
+    return {
+        # Per-rank figures are gathered so rank 0's summary holds every rank's.
+        "model_state_bytes": _gather(summary["model_state_bytes"]),
+        "comm_bytes_per_step": _gather(summary["comm_bytes_per_step"]),
+        "peak_memory_bytes": max(_gather(summary["peak_memory_bytes"])),
+        "world_size": env.world_size,
+        "dp_size": cfg.parallelism.dp_size if cfg.parallelism.dp_size > 0 else env.world_size,
+        "strategy": cfg.parallelism.name,
+        "precision": cfg.precision.name,
+        "model": cfg.model.name,
+        "n_params": num_params(args),
+        "device": str(device.type),
+        "hardware": hardware(device),
+        "git_sha": git_sha(),
+        "config_digest": config_digest(cfg),
+        "output_dir": str(Path(cfg.output_dir).resolve()),
+    }

@@ -1,0 +1,264 @@
+"""The training loop. It never branches on the strategy: everything parallel goes through
+the strategy protocol (llm/parallel/strategy.py)."""
+
+from __future__ import annotations
+
+import math
+import signal
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llm.config import Config
+from llm.train.checkpoint import Checkpointer
+from llm.train.metrics import (
+    StepTimer,
+    cuda_peak_bytes,
+    mfu,
+    peak_rss_bytes,
+)
+from llm.train.monitor import Monitor
+
+IGNORE = -100  # target id that carries no loss (padding)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+    last_loss: float | None = None
+    last_val_loss: float | None = None
+    tokens_per_sec: list[float] = field(default_factory=list)
+    mfus: list[float] = field(default_factory=list)
+    comm_per_step: dict[str, int] = field(default_factory=dict)
+    comm_steps: int = 0
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+class StopRequested:
+    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits at the next step
+    boundary (Slurm preemption sends SIGTERM some time before SIGKILL)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: Config,
+        model,
+        strategy,
+        optimizer,
+        scheduler,
+        train_loader,
+        val_loader,
+        logger,
+        checkpointer: Checkpointer | None,
+        flops_per_token: float,
+        peak_flops: float | None,
+        device: torch.device,
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.strategy = strategy
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.logger = logger
+        self.checkpointer = checkpointer
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.device = device
+        self.monitor = Monitor(cfg.monitor)
+        self.state = TrainState()
+        self.dp_size = strategy.dims.dp_size
+
+    # ---- checkpoint state -------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        return {
+            "step": self.state.step,
+            "tokens_seen": self.state.tokens_seen,
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.train_loader.state_dict(),
+        }
+
+    def resume(self, path) -> None:
+        saved = self.checkpointer.load(path, self.strategy)
+        self.state.step = saved["step"]
+        self.state.tokens_seen = saved["tokens_seen"]
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.train_loader.load_state_dict(saved["data"])
+        self.logger.info(f"resumed from {path} at step {self.state.step}")
+
+    def save(self) -> None:
+        if self.checkpointer is not None:
+            path = self.checkpointer.save(self.state.step, self.strategy, self.trainer_state())
+            self.logger.info(f"saved checkpoint {path}")
+
+    # ---- one step ---------------------------------------------------------------------
+    def _loss_sum(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.strategy.precision.autocast(self.device):
+            logits = self.model(input_ids)  # (B, T, V)
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+        )
+
+    def train_step(self, timer: StepTimer, stop: StopRequested) -> tuple[float, float, bool]:
+        """One optimizer step over grad_accum_steps micro-batches. Returns (loss, grad norm,
+        stop requested on any rank)."""
+        with timer.data():
+            batches = [next(self.train_loader) for _ in range(self.cfg.train.grad_accum_steps)]
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        local_tokens = sum(int((y != IGNORE).sum()) for _, y in batches)
+        # One tiny collective gives every rank the global target count (for the loss
+        # normaliser) and whether any rank was asked to stop.
+        global_tokens, stop_votes = _all_reduce_sum(
+            [local_tokens, float(stop.requested)], self.device
+        )
+        # Each rank's gradient is averaged over dp ranks by the strategy, so scaling the
+        # summed loss by dp_size / global_tokens yields the per-token mean over the whole
+        # accumulated global batch: k micro-batches of b equal one batch of k*b.
+        scale = self.dp_size / max(global_tokens, 1.0)
+        loss_sum = 0.0
+        for i, (x, y) in enumerate(batches):
+            with self.strategy.micro_batch(sync=i == len(batches) - 1):
+                loss = self._loss_sum(x, y)
+                self.strategy.backward(loss * scale)
+            loss_sum += loss.item()
+        result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
+        self.scheduler.step()
+        self.strategy.zero_grad()
+        (total,) = _all_reduce_sum([loss_sum], self.device)
+        return total / max(global_tokens, 1.0), result.grad_norm, stop_votes > 0
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        loss_sum, tokens = 0.0, 0
+        for x, y in self.val_loader:
+            x, y = x.to(self.device), y.to(self.device)
+            loss_sum += self._loss_sum(x, y).item()
+            tokens += int((y != IGNORE).sum())
+        self.model.train()
+        loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], self.device)
+        return loss_sum / max(tokens, 1.0)
+
+    # ---- the loop ---------------------------------------------------------------------
+    def fit(self) -> dict:
+        t = self.cfg.train
+        tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.dp_size * self.cfg.data.seq_len
+        timer = StepTimer(self.device)
+        last = t.stop_at_step or t.max_steps
+        self.model.train()
+        with StopRequested() as stop:
+            while self.state.step < last:
+                with timer.step():
+                    loss, grad_norm, stop_now = self.train_step(timer, stop)
+                self.state.step += 1
+                self.state.tokens_seen += tokens_per_step
+                self.state.last_loss = loss
+                self._account(timer, tokens_per_step)
+                metrics = {"loss": loss, "grad_norm": grad_norm}
+                for alert in self.monitor.check(self.state.step, metrics):
+                    self.logger.alert(alert)
+                self.logger.advance(self.state.step, loss, self._last_tps())
+                if self.state.step % t.log_every == 0 or self.state.step == 1:
+                    self.logger.log(self.state.step, self._log_metrics(metrics, timer))
+                if self.state.step % t.eval_every == 0 and self.state.step < t.max_steps:
+                    self._eval_and_log()
+                every = self.cfg.checkpoint.every
+                if every and self.state.step % every == 0 and self.state.step < t.max_steps:
+                    self.save()
+                if stop_now:
+                    self.logger.info(f"stop requested: checkpointing at step {self.state.step}")
+                    self.save()
+                    return self.summary(stopped=True)
+        self._eval_and_log()
+        self.save()
+        return self.summary(stopped=self.state.step < t.max_steps)
+
+    def _eval_and_log(self) -> None:
+        val_loss = self.evaluate()
+        self.state.last_val_loss = val_loss
+        self.logger.log(
+            self.state.step,
+            {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))},
+        )
+
+    def _last_tps(self) -> float | None:
+        return self.state.tokens_per_sec[-1] if self.state.tokens_per_sec else None
+
+    def _account(self, timer: StepTimer, tokens_per_step: int) -> None:
+        tps = tokens_per_step / timer.last.step_time_s
+        self.state.tokens_per_sec.append(tps)
+        # MFU per GPU: each rank does 1/world of the step's work.
+        value = mfu(tps / self.strategy.dims.world_size, self.flops_per_token, self.peak_flops)
+        if value is not None:
+            self.state.mfus.append(value)
+        for kind, sent in self.strategy.comm().items():
+            self.state.comm_per_step[kind] = self.state.comm_per_step.get(kind, 0) + sent
+        self.state.comm_steps += 1
+
+    def _log_metrics(self, metrics: dict, timer: StepTimer) -> dict:
+        out = dict(metrics)
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["tokens_per_sec"] = self._last_tps()
+        out["step_time_s"] = timer.last.step_time_s
+        out["data_wait_share"] = timer.last.data_wait_share
+        out["mfu"] = self.state.mfus[-1] if self.state.mfus else None
+        out["tokens_seen"] = self.state.tokens_seen
+        out["peak_memory_bytes"] = self.peak_memory()
+        for kind, value in self.strategy.memory().items():
+            out[f"memory/{kind}_bytes"] = value
+        return out
+
+    def peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return cuda_peak_bytes(self.device)
+        return peak_rss_bytes()
+
+    def summary(self, stopped: bool) -> dict:
+        # Steady-state throughput: drop the first steps (allocator warm-up, compilation).
+        tps = self.state.tokens_per_sec[min(3, len(self.state.tokens_per_sec) - 1) :]
+        steps = max(self.state.comm_steps, 1)
+        return {
+            "steps": self.state.step,
+            "stopped_early": stopped,
+            "final_train_loss": self.state.last_loss,
+            "final_val_loss": self.state.last_val_loss,
+            "final_val_ppl": (
+                math.exp(min(self.state.last_val_loss, 50.0))
+                if self.state.last_val_loss is not None
+                else None
+            ),
+            "tokens_seen": self.state.tokens_seen,
+            "tokens_per_sec": statistics.median(tps) if tps else None,
+            "mfu": statistics.median(self.state.mfus) if self.state.mfus else None,
+            "peak_memory_bytes": self.peak_memory(),
+            "model_state_bytes": self.strategy.memory(),
+            "comm_bytes_per_step": {k: v / steps for k, v in self.state.comm_per_step.items()},
+        }

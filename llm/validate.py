@@ -1,0 +1,74 @@
+"""Cross-group checks on a whole Config, run once before any rank starts.
+
+Each failure is a ConfigError with one line naming the problem and the fix; single-group
+checks live in the dataclasses' ``__post_init__`` (llm/config.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llm.attention import get_backend
+from llm.config import Config
+from llm.errors import ConfigError
+from llm.models import model_args
+from llm.precision import resolve_precision
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+    if cfg.train.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Refuse impossible combinations. ``world_size`` is known under torchrun/Slurm."""
+    args = model_args(
+        cfg.model.name,
+        vocab_size=cfg.model.vocab_size,
+        max_seq_len=cfg.model.max_seq_len,
+        d_model=cfg.model.d_model,
+        n_layers=cfg.model.n_layers,
+        n_heads=cfg.model.n_heads,
+        n_kv_heads=cfg.model.n_kv_heads,
+        d_ff=cfg.model.d_ff,
+    )
+    if cfg.data.seq_len > args.max_seq_len and cfg.model.init_from is None:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds model {cfg.model.name}'s max_seq_len="
+            f"{args.max_seq_len}; lower data.seq_len or raise model.max_seq_len"
+        )
+    get_backend(cfg.attention.backend)
+    device = resolve_device(cfg)
+    resolve_precision(cfg.precision.name, device)
+
+    nproc = world_size or cfg.launcher.nproc_per_node
+    if device.type == "cuda" and world_size is None and nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"launcher.nproc_per_node={nproc} but only {torch.cuda.device_count()} GPU(s) are "
+            "visible; lower launcher.nproc_per_node or use train.device=cpu"
+        )
+    if cfg.parallelism.name == "single" and nproc > 1:
+        raise ConfigError(
+            f"parallelism=single runs one process but {nproc} ranks were asked for; "
+            "use parallelism=ddp or launcher.nproc_per_node=1"
+        )
+    if cfg.scheduler.warmup_steps >= cfg.train.max_steps:
+        raise ConfigError(
+            f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be below "
+            f"train.max_steps={cfg.train.max_steps}; lower the warmup"
+        )
+    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).exists():
+        raise ConfigError(
+            f"checkpoint.resume={cfg.checkpoint.resume} does not exist; give an existing "
+            "checkpoint directory, or auto / none"
+        )
+    if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_dir():
+        raise ConfigError(
+            f"model.init_from={cfg.model.init_from} is not a directory; give a local Hugging "
+            "Face checkpoint directory (config.json + weights)"
+        )

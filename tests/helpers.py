@@ -1,0 +1,53 @@
+"""Compose configs exactly as train.py does, and run them in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from llm.config import Config, register_configs, to_dataclass
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose_config(overrides: list[str]) -> Config:
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return to_dataclass(cfg)
+
+
+def small_run_overrides(output_dir: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
+    """A fast CPU run on the test corpus: tiny model, byte tokenizer, no W&B."""
+    return [
+        f"output_dir={output_dir}",
+        "model=gpt2-tiny",
+        "data=files",
+        f"data.path={corpus}",
+        f"data.cache_dir={cache}",
+        "data.tokenizer=byte",
+        "data.seq_len=64",
+        "data.max_val_batches=2",
+        "train.device=cpu",
+        "train.max_steps=6",
+        "train.micro_batch_size=4",
+        "train.log_every=1",
+        "train.eval_every=1000",
+        "scheduler.warmup_steps=2",
+        "logger=none",
+        "logger.progress=false",
+        *extra,
+    ]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def train_losses(output_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(output_dir) if "loss" in m}

@@ -1,0 +1,109 @@
+"""End to end through `python train.py`: outputs, W&B offline run, errors, multirun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def train_cli(args, cwd, timeout=600, **popen):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(REPO / "train.py"), *args]
+    if popen:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, **popen)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def small(corpus, cache, *extra):
+    return [
+        "model=gpt2-tiny", "data=files", f"data.path={corpus}", f"data.cache_dir={cache}",
+        "data.tokenizer=bpe", "data.vocab_size=300", "data.seq_len=64", "data.max_val_batches=2",
+        "train.device=cpu", "train.micro_batch_size=4", "train.log_every=2",
+        "scheduler.warmup_steps=1", *extra,
+    ]
+
+
+def test_run_writes_summary_metrics_and_wandb_offline(tmp_path, text_corpus, cache_dir):
+    out = tmp_path / "run"
+    result = train_cli(
+        small(text_corpus, cache_dir, "train.max_steps=6", "train.eval_every=3",
+              f"hydra.run.dir={out}", "logger=wandb"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("steps", "final_train_loss", "final_val_loss", "tokens_per_sec", "mfu",
+                "peak_memory_bytes", "model_state_bytes", "comm_bytes_per_step", "world_size",
+                "device", "git_sha", "config_digest"):
+        assert key in summary, key
+    assert summary["steps"] == 6 and summary["world_size"] == 1 and summary["mfu"] is None
+    assert set(summary["model_state_bytes"][0]) == {"params", "grads", "optimizer_states"}
+    assert summary["model_state_bytes"][0]["optimizer_states"] > summary["model_state_bytes"][0]["params"]
+    metrics = read_metrics(out)
+    logged = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in logged] == [1, 2, 4, 6]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s"):
+        assert all(key in m for m in logged), key
+    assert [m["step"] for m in metrics if "val_loss" in m] == [3, 6]
+    assert (out / ".hydra/config.yaml").is_file()
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_bad_config_is_one_line_before_any_work(tmp_path):
+    result = train_cli(["data.seq_len=100000", f"hydra.run.dir={tmp_path / 'x'}"], cwd=tmp_path)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: data.seq_len=100000 exceeds model")
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_multirun_two_jobs_of_two_ranks(tmp_path, text_corpus, cache_dir):
+    sweep = tmp_path / "sweep"
+    result = train_cli(
+        ["-m", *small(text_corpus, cache_dir, "train.max_steps=3", "train.eval_every=100",
+                      "parallelism=ddp", "launcher.nproc_per_node=2", "optimizer=adamw,sgd",
+                      "logger=wandb", f"hydra.sweep.dir={sweep}")],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["world_size"] for s in summaries] == [2, 2]
+    assert all(len(s["comm_bytes_per_step"]) == 2 for s in summaries)
+    # Both jobs are W&B runs of one group named after the sweep.
+    groups = set()
+    for i in (0, 1):
+        (run,) = (sweep / str(i) / "wandb").glob("offline-run-*")
+        groups.add(json.loads((run / "files/wandb-metadata.json").read_text()).get("group"))
+    assert len(groups) == 1
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, text_corpus, cache_dir):
+    out = tmp_path / "run"
+    proc = train_cli(
+        small(text_corpus, cache_dir, "train.max_steps=100000", "train.log_every=1",
+              "train.eval_every=100000", "logger=none", f"hydra.run.dir={out}"),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_early"] and 3 <= summary["steps"] < 100000
+    assert (out / "checkpoints" / f"step_{summary['steps']:06d}" / "meta.json").is_file()

@@ -1,0 +1,130 @@
+"""Every config option composes and validates; every impossible combination is refused with
+one line naming the problem and the fix, before any rank starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import CONF, compose_config
+from hydra.errors import MissingConfigException
+
+from llm.errors import ConfigError
+from llm.launch import external_rank_env, resolve_wandb_mode
+from llm.validate import validate
+
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+BASE = ["output_dir=/tmp/unused"]
+
+
+def test_every_group_has_options():
+    assert set(GROUPS) >= {
+        "model", "parallelism", "precision", "optimizer", "scheduler", "data", "recompute",
+        "attention", "logger", "monitor", "launcher",
+    }
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes(group, option, tmp_path):
+    extra = [f"{group}={option}"]
+    if group == "data" and option == "files":
+        extra.append(f"data.path={tmp_path}")
+    if group == "model":
+        extra.append("data.seq_len=64")
+    cfg = compose_config(BASE + extra)
+    # The group's own option name is carried into the typed config.
+    if group == "model":
+        assert cfg.model.name == option
+    if group in ("precision", "optimizer", "scheduler", "data", "recompute", "parallelism"):
+        assert getattr(cfg, group).name == option
+    if group == "precision" and option == "tf32" and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
+            validate(cfg)
+    else:
+        validate(cfg)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes(experiment):
+    validate(compose_config([*BASE, f"experiment={experiment}"]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.max_steps=0"], "train.max_steps=0 must be > 0"),
+        (["train.micro_batch_size=-2"], "train.micro_batch_size=-2 must be > 0"),
+        (["data.seq_len=0"], "data.seq_len=0 must be > 0"),
+        (["model.d_model=-1"], "model.d_model=-1 must be > 0"),
+        (["model=gpt2-tiny", "data.seq_len=4096"], "exceeds model gpt2-tiny's max_seq_len=256"),
+        (["attention.backend=nope"], "attention.backend='nope' is unknown"),
+        (["parallelism.name=nope"], "parallelism.name='nope' is unknown"),
+        (["launcher.nproc_per_node=2"], "parallelism=single runs one process"),
+        (["checkpoint.resume=/does/not/exist"], "checkpoint.resume=/does/not/exist does not exist"),
+        (["model.init_from=/does/not/exist"], "model.init_from=/does/not/exist is not a directory"),
+        (["scheduler.warmup_steps=500", "train.max_steps=100"], "must be below train.max_steps"),
+        (["data=files"], "data=files needs data.path"),
+        (["model.name=gpt5"], "gpt5"),
+        (["parallelism.tp_size=2"], "not implemented yet"),
+    ],
+)
+def test_impossible_configs_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        validate(compose_config(BASE + overrides))
+    assert "\n" not in str(err.value)  # one line
+
+
+def test_unknown_option_is_a_hydra_error():
+    with pytest.raises(MissingConfigException, match="model"):
+        compose_config([*BASE, "model=gpt5"])
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    cfg = compose_config([*BASE, "parallelism=ddp", "launcher.nproc_per_node=4", "train.device=cuda"])
+    with pytest.raises(ConfigError, match="only 2 GPU"):
+        validate(cfg)
+
+
+def test_cuda_without_gpu_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        validate(compose_config([*BASE, "train.device=cuda"]))
+
+
+def test_launcher_env_detection():
+    assert external_rank_env({}) is None
+    torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"}
+    env = external_rank_env(torchrun)
+    assert (env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port) == (3, 1, 8, "n1", 1234)
+    slurm = {"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "MASTER_ADDR": "h0", "SLURM_JOB_ID": "77"}
+    env = external_rank_env(slurm)
+    assert (env.rank, env.world_size, env.master_addr, env.master_port) == (2, 4, "h0", 20077)
+    # One Slurm task (e.g. submitit with tasks_per_node=1) is not a distributed launch.
+    assert external_rank_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+
+
+def test_wandb_mode_is_offline_without_credentials(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_wandb_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_wandb_mode("auto") == "online"
+    assert resolve_wandb_mode("disabled") == "disabled"
+
+
+def test_config_files_exist_for_design_keys():
+    cfg = compose_config(BASE)
+    for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "seed", "log_every", "eval_every"):
+        assert hasattr(cfg.train, key)
+    assert cfg.data.seq_len > 0 and cfg.checkpoint.resume == "auto"
+    assert cfg.launcher.nproc_per_node == 1
+    assert Path(CONF / "config.yaml").is_file()
