@@ -133,7 +133,7 @@ class DataConfig:
     path: str | None = None  # data=files: a file, folder or glob (.txt/.md/.py, .jsonl, .parquet)
     text_field: str = "text"  # the column holding text in jsonl / parquet / hub datasets
     hub_id: str | None = None  # wikitext: None is Salesforce/wikitext; or a local copy of that repo
-    tokenizer: str = "bpe"  # byte | bpe | a local Hugging Face tokenizer directory or tokenizer.json
+    tokenizer: str = "bpe"  # byte | bpe | a local HF tokenizer folder or tokenizer.json
     vocab_size: int = 4096  # bpe only
     tokenizer_train_bytes: int = 8_000_000  # bpe is trained on this much of the train split
     seq_len: int = 256

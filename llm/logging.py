@@ -111,6 +111,9 @@ class RunLogger:
         self.console.print(message)
 
     def summary(self, summary: dict[str, Any]) -> None:
+        if self.wandb_run is not None:
+            run = self.wandb_run
+            summary = {**summary, "wandb": {"id": run.id, "group": run.group, "dir": run.dir}}
         with open(self.output_dir / "summary.json", "w") as f:
             json.dump({k: _finite_or_none(v) for k, v in summary.items()}, f, indent=2)
         if self.wandb_run is not None:

@@ -37,7 +37,7 @@ def small_run_overrides(output_dir: Path, corpus: Path, cache: Path, *extra: str
         "train.micro_batch_size=4",
         "train.log_every=1",
         "train.eval_every=1000",
-        "scheduler.warmup_steps=2",
+        "scheduler.warmup_steps=1",
         "logger=none",
         "logger.progress=false",
         *extra,

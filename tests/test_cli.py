@@ -80,12 +80,13 @@ def test_multirun_two_jobs_of_two_ranks(tmp_path, text_corpus, cache_dir):
     summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["world_size"] for s in summaries] == [2, 2]
     assert all(len(s["comm_bytes_per_step"]) == 2 for s in summaries)
-    # Both jobs are W&B runs of one group named after the sweep.
-    groups = set()
+    # Both jobs are W&B runs of one group named after the sweep; the offline run record
+    # (protobuf, strings stored verbatim) carries that group.
+    (group,) = {s["wandb"]["group"] for s in summaries}
+    assert group == str(sweep).replace("/", "_")
     for i in (0, 1):
-        (run,) = (sweep / str(i) / "wandb").glob("offline-run-*")
-        groups.add(json.loads((run / "files/wandb-metadata.json").read_text()).get("group"))
-    assert len(groups) == 1
+        (record,) = (sweep / str(i) / "wandb").glob("offline-run-*/run-*.wandb")
+        assert group.encode() in record.read_bytes()
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, text_corpus, cache_dir):

@@ -44,13 +44,16 @@ def _llama(**kw) -> LlamaForCausalLM:
 
 
 def _llama3_rope() -> LlamaForCausalLM:
-    # Llama-3.2's rescaled RoPE, tied embeddings and MQA, with a context short enough to
-    # put frequencies in all three bands.
+    # Llama-3.2's rescaled RoPE, tied embeddings and MQA. head_dim 16 and an original context
+    # of 256 put the wavelengths (6, 33, 168, 872, ... tokens) in all three bands: kept (< 64),
+    # blended (64..256) and divided by the factor (> 256).
     rope = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
     }  # fmt: skip
-    return _llama(rope_parameters=rope, tie_word_embeddings=True, num_key_value_heads=1)
+    return _llama(
+        hidden_size=64, rope_parameters=rope, tie_word_embeddings=True, num_key_value_heads=1
+    )
 
 
 HF_MODELS = {"gpt2": _gpt2, "llama-gqa": _llama, "llama3-rope": _llama3_rope}

@@ -58,16 +58,19 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
 
 
-def write_tokens(documents: Iterable[str], tokenizer: Tokenizer, bin_path: Path, offsets_path: Path) -> None:
+def write_tokens(
+    documents: Iterable[str], tokenizer: Tokenizer, bin_path: Path, offsets_path: Path
+) -> None:
     dtype = token_dtype(tokenizer.vocab_size)
     lengths: list[int] = []
     tmp_bin, tmp_offsets = _tmp(bin_path), _tmp(offsets_path)
     try:
         with tmp_bin.open("wb") as f:
             for texts in text_batches(documents):
-                ids = [[*doc, tokenizer.eos_id] for doc in tokenizer.encode_batch(texts)]
-                lengths.extend(len(d) for d in ids)
-                np.fromiter((t for d in ids for t in d), dtype=dtype).tofile(f)
+                docs = [np.array(ids, dtype=dtype) for ids in tokenizer.encode_batch(texts)]
+                eos = np.array([tokenizer.eos_id], dtype=dtype)
+                np.concatenate([part for d in docs for part in (d, eos)]).tofile(f)
+                lengths.extend(len(d) + 1 for d in docs)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         with tmp_offsets.open("wb") as f:
@@ -109,6 +112,11 @@ def tokenized_split(corpus: Corpus, split: str, tokenizer: Tokenizer, root: Path
         )
     log.info(
         "tokenised %s/%s: %d documents, %d tokens in %.1fs -> %s",
-        corpus.name, split, data.n_documents, data.n_tokens, time.perf_counter() - start, directory,
+        corpus.name,
+        split,
+        data.n_documents,
+        data.n_tokens,
+        time.perf_counter() - start,
+        directory,
     )
     return data

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from llm.config import DataConfig
+from llm.errors import ConfigError
 
 SPLITS = ("train", "val")
 
@@ -45,6 +46,15 @@ def val_keys(keys: Sequence[str], val_fraction: float) -> set[str]:
     if len(ranked) >= 2 and len(held) == len(ranked):
         held.discard(ranked[-1])
     return held
+
+
+def split_by_key(files: list[Path], keys: list[str], val_fraction: float) -> dict[str, list[Path]]:
+    """Files split into train / val by their stable keys (relative paths), keeping order."""
+    held = val_keys(keys, val_fraction)
+    return {
+        "train": [f for f, k in zip(files, keys, strict=True) if k not in held],
+        "val": [f for f, k in zip(files, keys, strict=True) if k in held],
+    }
 
 
 def digest_of(*parts: object) -> str:
@@ -80,15 +90,11 @@ class StdlibCorpus:
 
     name = "stdlib"
 
-    def __init__(self, val_fraction: float, root: Path | None = None) -> None:
-        self.root = root or Path(sysconfig.get_paths()["stdlib"])
+    def __init__(self, val_fraction: float) -> None:
+        self.root = Path(sysconfig.get_paths()["stdlib"])
         self.files = stdlib_files(self.root)
         rel = [f.relative_to(self.root).as_posix() for f in self.files]
-        held = val_keys(rel, val_fraction)
-        self.split_files = {
-            "train": [f for f, r in zip(self.files, rel, strict=True) if r not in held],
-            "val": [f for f, r in zip(self.files, rel, strict=True) if r in held],
-        }
+        self.split_files = split_by_key(self.files, rel, val_fraction)
         self._digest = digest_of(self.name, val_fraction, file_stats(self.root, self.files))
 
     @property
@@ -113,4 +119,10 @@ def build_corpus(cfg: DataConfig) -> Corpus:
 
 
 def cache_root(cfg: DataConfig) -> Path:
-    return Path(os.path.expanduser(cfg.cache_dir))
+    if "${" in cfg.cache_dir:
+        # DataConfig() built in code keeps the YAML interpolation text of its default.
+        raise ConfigError(
+            f"data.cache_dir={cfg.cache_dir!r} is unresolved; pass a resolved config "
+            "(llm.config.to_dataclass) or set data.cache_dir=PATH"
+        )
+    return Path(cfg.cache_dir).expanduser()

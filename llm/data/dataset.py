@@ -47,7 +47,9 @@ class TokenDataset:
             block = self.tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64)
             return block[:-1], block[1:]
         start = int(self.offsets[i])
-        doc = self.tokens[start : min(int(self.offsets[i + 1]), start + seq_len + 1)].astype(np.int64)
+        doc = self.tokens[start : min(int(self.offsets[i + 1]), start + seq_len + 1)].astype(
+            np.int64
+        )
         inputs = np.full(seq_len, self.eos_id, dtype=np.int64)
         targets = np.full(seq_len, IGNORE, dtype=np.int64)
         inputs[: len(doc) - 1] = doc[:-1]

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from llm.data.corpora import digest_of, file_stats, read_text, val_keys
+from llm.data.corpora import digest_of, file_stats, read_text, split_by_key, val_keys
 from llm.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -34,7 +34,9 @@ def resolve_files(spec: str) -> list[Path]:
         found = [path] if path.is_file() else list(path.rglob("*"))
     files = sorted(p for p in found if p.is_file() and p.suffix in SUFFIXES)
     if not files:
-        raise DataError(f"data.path={spec} matched no {'/'.join(SUFFIXES)} files; check the path or glob")
+        raise DataError(
+            f"data.path={spec} matched no {'/'.join(SUFFIXES)} files; check the path or glob"
+        )
     return files
 
 
@@ -55,7 +57,9 @@ def _jsonl(path: Path, text_field: str) -> Iterator[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno} is not valid JSON ({err.msg}); fix or remove the line") from err
+                raise DataError(
+                    f"{path}:{lineno} is not valid JSON ({err.msg}); fix or remove the line"
+                ) from err
             if not isinstance(row, dict) or text_field not in row:
                 raise DataError(
                     f"{path}:{lineno} has no {text_field!r} field; set data.text_field to the key holding the text"
@@ -93,11 +97,7 @@ class FilesCorpus:
         self.val_fraction = val_fraction
         self.root = Path(os.path.commonpath([f.parent.resolve() for f in self.files]))
         rel = [f.resolve().relative_to(self.root).as_posix() for f in self.files]
-        held = val_keys(rel, val_fraction)
-        self.split_files = {
-            "train": [f for f, r in zip(self.files, rel, strict=True) if r not in held],
-            "val": [f for f, r in zip(self.files, rel, strict=True) if r in held],
-        }
+        self.split_files = split_by_key(self.files, rel, val_fraction)
         stats = file_stats(self.root, [f.resolve() for f in self.files])
         self._digest = digest_of(self.name, text_field, val_fraction, stats)
 

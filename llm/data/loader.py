@@ -18,9 +18,13 @@ from llm.data.dataset import Batch, TokenDataset
 from llm.errors import DataError
 
 
-def check_shard(split: str, n_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+def check_shard(
+    split: str, n_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> None:
     if not 0 <= dp_rank < dp_size:
-        raise DataError(f"dp_rank={dp_rank} is outside dp_size={dp_size}; pass 0 <= dp_rank < dp_size")
+        raise DataError(
+            f"dp_rank={dp_rank} is outside dp_size={dp_size}; pass 0 <= dp_rank < dp_size"
+        )
     if n_samples < micro_batch_size * dp_size:
         raise DataError(
             f"the {split} split has {n_samples} samples, fewer than one global micro-batch "
@@ -53,7 +57,9 @@ class TrainLoader:
 
     def _permutation(self) -> np.ndarray:
         if self._order is None:
-            self._order = np.random.default_rng(self.seed + self.epoch).permutation(self.num_samples)
+            self._order = np.random.default_rng(self.seed + self.epoch).permutation(
+                self.num_samples
+            )
         return self._order
 
     def __iter__(self) -> Iterator[Batch]:

@@ -26,9 +26,9 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig) -> PreparedData:
     """Build or load the tokenizer and both splits' token caches; cheap when cached."""
+    root = cache_root(cfg)
     corpus = build_corpus(cfg)
     tokenizer = build_tokenizer(cfg, corpus)
-    root = cache_root(cfg)
     return PreparedData(
         tokenizer=tokenizer,
         train=tokenized_split(corpus, "train", tokenizer, root),
@@ -54,5 +54,11 @@ def build_val_loader(
     prepared: PreparedData, cfg: DataConfig, micro_batch_size: int, dp_rank: int, dp_size: int
 ) -> ValLoader:
     return ValLoader(
-        prepared.val, cfg.seq_len, cfg.packing, micro_batch_size, dp_rank, dp_size, cfg.max_val_batches
+        prepared.val,
+        cfg.seq_len,
+        cfg.packing,
+        micro_batch_size,
+        dp_rank,
+        dp_size,
+        cfg.max_val_batches,
     )

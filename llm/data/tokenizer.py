@@ -124,7 +124,12 @@ def load_or_train_bpe(corpus: Corpus, cfg: DataConfig) -> HFTokenizer:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         backend.save(str(tmp))
         os.replace(tmp, path)  # atomic: a concurrent reader sees no file or a whole one
-        log.info("trained a %d-token BPE in %.1fs -> %s", cfg.vocab_size, time.perf_counter() - start, path)
+        log.info(
+            "trained a %d-token BPE in %.1fs -> %s",
+            cfg.vocab_size,
+            time.perf_counter() - start,
+            path,
+        )
     backend = tokenizers.Tokenizer.from_file(str(path))
     return HFTokenizer(backend, backend.token_to_id(EOS_TOKEN))
 
@@ -138,13 +143,17 @@ def load_hf_tokenizer(spec: str) -> HFTokenizer:
         )
     if path.is_file():
         backend = tokenizers.Tokenizer.from_file(str(path))
-        eos_id = next((i for t in EOS_CANDIDATES if (i := backend.token_to_id(t)) is not None), None)
+        eos_id = next(
+            (i for t in EOS_CANDIDATES if (i := backend.token_to_id(t)) is not None), None
+        )
     else:
         from transformers import AutoTokenizer  # slow to import; only this path needs it
 
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if not hasattr(hf, "backend_tokenizer"):
-            raise DataError(f"{spec} has no fast tokenizer; save it with tokenizer.json (a fast tokenizer)")
+            raise DataError(
+                f"{spec} has no fast tokenizer; save it with tokenizer.json (a fast tokenizer)"
+            )
         backend, eos_id = hf.backend_tokenizer, hf.eos_token_id
     if eos_id is None:
         raise DataError(

@@ -26,15 +26,19 @@ def is_title(row: str) -> bool:
 
 def join_articles(rows: Iterable[str]) -> Iterator[str]:
     """Wikitext rows are lines (each ending in a newline); an article runs from one
-    top-level heading to the next."""
+    top-level heading to the next. Blank stretches (the rows before a title) are dropped."""
     article: list[str] = []
     for row in rows:
-        if is_title(row) and article:
-            yield "".join(article)
+        if is_title(row):
+            yield from _nonblank("".join(article))
             article = []
         article.append(row)
-    if article:
-        yield "".join(article)
+    yield from _nonblank("".join(article))
+
+
+def _nonblank(text: str) -> Iterator[str]:
+    if text.strip():
+        yield text
 
 
 class WikitextCorpus:

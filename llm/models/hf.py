@@ -113,6 +113,10 @@ def _llama_to_hf(ours: StateDict, n_layers: int) -> StateDict:
     return inverse
 
 
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 def from_hf(
     path: str | Path,
     attention_backend: str = "sdpa",
@@ -131,14 +135,18 @@ def from_hf(
     try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{path}/config.json cannot be read ({err}); re-save the checkpoint") from None
+        raise ConfigError(
+            f"{path}/config.json cannot be read ({_first_line(err)}); re-save the checkpoint"
+        ) from None
     args = args_from_hf(cfg, path)
     try:
         hf, info = AutoModelForCausalLM.from_pretrained(
             path, config=cfg, dtype=dtype, local_files_only=True, output_loading_info=True
         )
     except (OSError, ValueError, RuntimeError) as err:
-        raise ConfigError(f"weights in {path} cannot be loaded ({err}); re-save the checkpoint") from None
+        raise ConfigError(
+            f"weights in {path} cannot be loaded ({_first_line(err)}); re-save the checkpoint"
+        ) from None
     if info["missing_keys"] or info["mismatched_keys"]:
         raise ConfigError(
             f"{path} lacks or mis-shapes weights {sorted(info['missing_keys'] | info['mismatched_keys'])[:5]}; "

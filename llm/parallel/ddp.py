@@ -1,7 +1,6 @@
 """Data parallel with torch's DistributedDataParallel: a full replica per rank, gradients
 all-reduced in buckets during backward (averaged over ranks), skipped inside accumulation."""
 
-from __future__ import annotations
 
 from collections import Counter
 
@@ -36,6 +35,7 @@ class DDPStrategy(SingleStrategy):
         self.model = ddp
         return ddp
 
+    # No `from __future__ import annotations` here: DDP checks this annotation at runtime.
     def _counting_allreduce(self, group: dist.ProcessGroup, bucket: dist.GradBucket):
         # The payload each rank hands to the all-reduce (ring traffic is 2(N-1)/N of it).
         buffer = bucket.buffer()

@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from llm.errors import CheckpointError
+
+# One process without a process group is a supported DCP mode; its warning is noise here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 META = "meta.json"
 TRAINER = "trainer.pt"
