@@ -118,7 +118,9 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[Row]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--model", default=None, help="a registered shape (GPU default gpt2-small, CPU gpt2-mini)")
+    p.add_argument(
+        "--model", default=None, help="a registered shape (GPU default gpt2-small, CPU gpt2-mini)"
+    )
     p.add_argument("--vocab-size", type=int, default=None, help="CPU default 8192, GPU the shape's")
     p.add_argument("--batch", type=int, default=None, help="GPU default 8, CPU 4")
     p.add_argument("--seq-len", type=int, default=None, help="GPU default 1024, CPU 256")
@@ -128,7 +130,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[Row]]
     p.add_argument("--compile", default=None, help="comma list of off,on (GPU off,on; CPU off)")
     p.add_argument("--attention", default="sdpa", help="comma list of sdpa,eager")
     p.add_argument("--impl", default=",".join(IMPLS), help="comma list of ours,transformers")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved passes over the rows (GPU 1, CPU 3)")
+    p.add_argument(
+        "--rounds", type=int, default=None, help="interleaved passes over the rows (GPU 1, CPU 3)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = p.parse_args(argv)
     if a.device == "auto":
@@ -150,7 +154,19 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[Row]]
     max_seq_len = max(MODEL_SHAPES[a.model].max_seq_len, a.seq_len)
     args = model_args(a.model, vocab_size=a.vocab_size, max_seq_len=max_seq_len)
     rows = [
-        Row(impl, attn, dtype, comp == "on", a.device, args, a.batch, a.seq_len, a.steps, a.warmup, a.threads)
+        Row(
+            impl,
+            attn,
+            dtype,
+            comp == "on",
+            a.device,
+            args,
+            a.batch,
+            a.seq_len,
+            a.steps,
+            a.warmup,
+            a.threads,
+        )
         for dtype in _choices(a.dtype or ("bf16" if gpu else "fp32"), tuple(DTYPES), "--dtype")
         for attn in _choices(a.attention, ("sdpa", "eager"), "--attention")
         for comp in _choices(a.compile or ("off,on" if gpu else "off"), ("off", "on"), "--compile")
@@ -160,10 +176,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[Row]]
 
 
 def print_table(a: argparse.Namespace, results: list[dict]) -> None:
+    import transformers
     from rich.console import Console
     from rich.table import Table
-
-    import transformers
 
     memory = "peak CUDA alloc MiB" if a.device == "cuda" else "peak RSS growth MiB"
     args = results[0]["args"]

@@ -139,7 +139,7 @@ class DataConfig:
     seq_len: int = 256
     packing: bool = True  # False: one document per sample, padded, targets masked
     val_fraction: float = 0.02  # stdlib / files: share of files (one file: documents) held out
-    max_val_batches: int = 20
+    val_samples: int = 256  # validation: the first N samples of the val split, whatever the batch
     cache_dir: str = "${oc.env:LLM_CACHE_DIR,.cache/llm}"  # tokenizers and token caches
 
     def __post_init__(self) -> None:
@@ -149,7 +149,7 @@ class DataConfig:
             vocab_size=self.vocab_size,
             seq_len=self.seq_len,
             tokenizer_train_bytes=self.tokenizer_train_bytes,
-            max_val_batches=self.max_val_batches,
+            val_samples=self.val_samples,
         )
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")

@@ -31,7 +31,7 @@ def small_run_overrides(output_dir: Path, corpus: Path, cache: Path, *extra: str
         f"data.cache_dir={cache}",
         "data.tokenizer=byte",
         "data.seq_len=64",
-        "data.max_val_batches=2",
+        "data.val_samples=8",
         "train.device=cpu",
         "train.max_steps=6",
         "train.micro_batch_size=4",

@@ -47,7 +47,9 @@ def test_causal_ignores_the_future():
 
 
 def test_unknown_backend_names_the_choices():
-    with pytest.raises(ConfigError, match=r"attention.backend='x' is unknown; choose one of eager, sdpa"):
+    with pytest.raises(
+        ConfigError, match=r"attention.backend='x' is unknown; choose one of eager, sdpa"
+    ):
         get_backend("x")
     q, k, v = _qkv(2, 2)
     with pytest.raises(ConfigError, match="unknown"):

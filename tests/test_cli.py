@@ -26,7 +26,7 @@ def train_cli(args, cwd, timeout=600, **popen):
 def small(corpus, cache, *extra):
     return [
         "model=gpt2-tiny", "data=files", f"data.path={corpus}", f"data.cache_dir={cache}",
-        "data.tokenizer=bpe", "data.vocab_size=300", "data.seq_len=64", "data.max_val_batches=2",
+        "data.tokenizer=bpe", "data.vocab_size=300", "data.seq_len=64", "data.val_samples=8",
         "train.device=cpu", "train.micro_batch_size=4", "train.log_every=2",
         "scheduler.warmup_steps=1", *extra,
     ]

@@ -11,6 +11,7 @@ import torch
 
 from llm.config import DataConfig
 from llm.data import IGNORE, build_train_loader, build_val_loader, prepare_data
+from llm.data.cache import token_dtype
 from llm.data.corpora import StdlibCorpus, build_corpus
 from llm.data.dataset import TokenDataset
 from llm.data.loader import TrainLoader, ValLoader
@@ -25,10 +26,10 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
-def write_docs(root, n=10, ext=".txt"):
+def write_docs(root, n=10):
     root.mkdir(parents=True, exist_ok=True)
     for i in range(n):
-        (root / f"doc_{i:02d}{ext}").write_text(
+        (root / f"doc_{i:02d}.txt").write_text(
             f"document {i}: " + "lorem ipsum " * (5 + 7 * i) + "\n"
         )
     return root
@@ -198,6 +199,11 @@ def test_token_cache_is_reused_without_tokenising(tmp_path, monkeypatch):
         prepare_data(cfg_for(tmp_path / "docs", tmp_path, val_fraction=0.5))
 
 
+def test_token_dtype_fits_the_vocabulary():
+    assert token_dtype(257) == np.uint16 and token_dtype(65_535) == np.uint16
+    assert token_dtype(65_536) == np.uint32  # e.g. Llama 3's 128k vocabulary
+
+
 def test_unresolved_cache_dir_is_refused():
     with pytest.raises(ConfigError, match="is unresolved"):
         prepare_data(DataConfig())  # the default is a YAML interpolation, resolved by Hydra
@@ -305,12 +311,33 @@ def test_resume_gives_the_same_batches_on_any_world_size():
 
 def test_val_loader_is_ordered_sharded_and_reiterable():
     ds = stream_dataset(n_tokens=1000)  # 62 samples of 16
-    ranks = [ValLoader(ds, 16, True, 3, r, 2, max_batches=4) for r in range(2)]
+    ranks = [ValLoader(ds, 16, True, 3, r, 2, n_samples=24) for r in range(2)]
     assert len(ranks[0]) == 4
     firsts = [[int(b.input_ids[i, 0]) for b in loader for i in range(3)] for loader in ranks]
     assert firsts[0][:6] == [0, 16, 32, 96, 112, 128] and firsts[1][:3] == [48, 64, 80]
     assert [b.input_ids.tolist() for b in ranks[0]] == [b.input_ids.tolist() for b in ranks[0]]
-    assert len(ValLoader(ds, 16, True, 20, 0, 1, max_batches=10)) == 3  # capped by the split
+    assert ValLoader(ds, 16, True, 20, 0, 1, n_samples=1000).n_samples == 62  # the whole split
+
+
+def real_rows(loaders):
+    """The (first input token, target count) of every non-padding row the loaders yield."""
+    rows = []
+    for loader in loaders:
+        for batch in loader:
+            for x, y in zip(batch.input_ids, batch.targets, strict=True):
+                if (y != IGNORE).any():
+                    rows.append((int(x[0]), int((y != IGNORE).sum())))
+    return sorted(rows)
+
+
+@pytest.mark.parametrize(("micro_batch_size", "dp_size"), [(1, 1), (4, 1), (3, 2), (5, 4)])
+def test_val_set_is_the_same_for_any_batch_and_rank_count(micro_batch_size, dp_size):
+    ds = stream_dataset(n_tokens=1000)
+    reference = real_rows([ValLoader(ds, 16, True, 7, 0, 1, n_samples=22)])
+    loaders = [ValLoader(ds, 16, True, micro_batch_size, r, dp_size, n_samples=22) for r in range(dp_size)]
+    # Every rank runs the same number of micro-batches; padding rows carry no target.
+    assert len({len(loader) for loader in loaders}) == 1
+    assert real_rows(loaders) == reference and len(reference) == 22
 
 
 def test_loaders_from_prepared_data_and_too_small_corpus(tmp_path):

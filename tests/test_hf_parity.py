@@ -6,6 +6,7 @@ different kernels for attention).
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     BertConfig,
@@ -99,7 +100,7 @@ def test_bf16_load_keeps_the_dtype(tmp_path):
 
 
 def test_bad_directories_are_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         from_hf(tmp_path / "missing")
     (tmp_path / "garbled").mkdir()
     (tmp_path / "garbled" / "config.json").write_text("{not json")
@@ -108,8 +109,18 @@ def test_bad_directories_are_config_errors(tmp_path):
     _gpt2().config.save_pretrained(tmp_path / "no_weights")
     with pytest.raises(ConfigError, match="cannot be loaded"):
         from_hf(tmp_path / "no_weights")
-    BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(
-        tmp_path / "bert"
-    )
+    _gpt2().save_pretrained(tmp_path / "garbled_weights")
+    (tmp_path / "garbled_weights" / "model.safetensors").write_bytes(b"garbage" * 10)
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        from_hf(tmp_path / "garbled_weights")
+    _gpt2().save_pretrained(tmp_path / "partial")
+    weights = load_file(tmp_path / "partial" / "model.safetensors")
+    del weights["transformer.h.0.mlp.c_fc.weight"]
+    save_file(weights, tmp_path / "partial" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"lacks weights \['transformer.h.0.mlp.c_fc.weight'\]"):
+        from_hf(tmp_path / "partial")
+    BertConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4
+    ).save_pretrained(tmp_path / "bert")
     with pytest.raises(ConfigError, match="'bert' checkpoint; from_hf loads gpt2 and llama"):
         from_hf(tmp_path / "bert")

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,13 @@ def test_every_shape_builds_on_meta_and_counts_match(name):
     assert len(model.layers) == MODEL_SHAPES[name].n_layers
 
 
+def test_meta_build_of_an_8b_model_allocates_nothing():
+    rss = psutil.Process().memory_info().rss
+    model = build_model(MODEL_SHAPES["llama3-8b"])  # 32 GB if it were materialised in fp32
+    assert psutil.Process().memory_info().rss - rss < 64 * 2**20
+    assert model.layers[0].attention.wk.weight.shape == (1024, 4096)  # 8 kv heads x 128
+
+
 def test_published_parameter_counts():
     assert num_params(MODEL_SHAPES["gpt2-small"]) == 124_439_808  # tied embeddings
     assert num_params(MODEL_SHAPES["gpt2-small"], exclude_embeddings=True) == 85_056_000
@@ -57,7 +65,7 @@ def test_model_args_overrides_and_errors():
     assert (a.n_kv_heads, a.d_ff, a.vocab_size) == (8, 512, 100)  # MHA and 4*d follow
     with pytest.raises(ConfigError, match="unknown; choose one of gpt2-tiny"):
         model_args("gpt3")
-    with pytest.raises(ConfigError, match="not divisible by model.n_heads"):
+    with pytest.raises(ConfigError, match=r"not divisible by model\.n_heads"):
         model_args("gpt2-tiny", n_heads=3)
     with pytest.raises(ConfigError, match="pick n_kv_heads that divides n_heads"):
         model_args("llama-tiny", n_kv_heads=3)
@@ -134,10 +142,10 @@ def test_dropout_is_active_only_in_training():
 def test_too_long_sequences_are_refused():
     args = dataclasses.replace(MODEL_SHAPES["llama-tiny"], max_seq_len=8)
     model = materialize(build_model(args), "cpu", 0)
-    with pytest.raises(ConfigError, match="exceeds model.max_seq_len=8"):
+    with pytest.raises(ConfigError, match=r"exceeds model\.max_seq_len=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
 def test_unknown_attention_backend_fails_at_build():
-    with pytest.raises(ConfigError, match="attention.backend='flash' is unknown"):
+    with pytest.raises(ConfigError, match=r"attention\.backend='flash' is unknown"):
         build_model(MODEL_SHAPES["gpt2-tiny"], attention_backend="flash")

@@ -10,11 +10,13 @@ position, so a run can resume on a different number of ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 
-from llm.data.dataset import Batch, TokenDataset
+from llm.data.dataset import IGNORE, Batch, TokenDataset
 from llm.errors import DataError
 
 
@@ -89,7 +91,13 @@ class TrainLoader:
 
 
 class ValLoader:
-    """The first max_batches global micro-batches of the split in order; re-iterable."""
+    """The first ``n_samples`` samples of the split in order, the same set whatever the
+    micro-batch size and dp size (so validation losses compare across a sweep); re-iterable.
+
+    Every rank runs the same number of micro-batches (collectives inside a sharded forward
+    must match up): the last global micro-batch is filled with rows whose targets are all
+    IGNORE, which add nothing to the loss sum or the token count.
+    """
 
     def __init__(
         self,
@@ -99,13 +107,18 @@ class ValLoader:
         micro_batch_size: int,
         dp_rank: int,
         dp_size: int,
-        max_batches: int,
+        n_samples: int,
     ) -> None:
         self.dataset, self.seq_len, self.packing = dataset, seq_len, packing
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
-        n_samples = dataset.num_samples(seq_len, packing)
-        check_shard("val", n_samples, micro_batch_size, dp_rank, dp_size)
-        self.n_batches = min(max_batches, n_samples // (micro_batch_size * dp_size))
+        available = dataset.num_samples(seq_len, packing)
+        if available == 0:
+            raise DataError(
+                f"the val split has no sample of data.seq_len={seq_len}; raise data.val_fraction "
+                "or lower data.seq_len"
+            )
+        self.n_samples = min(n_samples, available)
+        self.n_batches = math.ceil(self.n_samples / (micro_batch_size * dp_size))
 
     def __len__(self) -> int:
         return self.n_batches
@@ -114,4 +127,17 @@ class ValLoader:
         b = self.micro_batch_size
         for step in range(self.n_batches):
             start = step * b * self.dp_size + self.dp_rank * b
-            yield self.dataset.batch(range(start, start + b), self.seq_len, self.packing)
+            real = range(min(start, self.n_samples), min(start + b, self.n_samples))
+            yield self._padded(real, b - len(real))
+
+    def _padded(self, indices: range, n_pad: int) -> Batch:
+        if n_pad == 0:
+            return self.dataset.batch(indices, self.seq_len, self.packing)
+        pad_inputs = torch.zeros(n_pad, self.seq_len, dtype=torch.long)
+        pad_targets = torch.full((n_pad, self.seq_len), IGNORE, dtype=torch.long)
+        if not indices:
+            return Batch(pad_inputs, pad_targets)
+        real = self.dataset.batch(indices, self.seq_len, self.packing)
+        return Batch(
+            torch.cat([real.input_ids, pad_inputs]), torch.cat([real.targets, pad_targets])
+        )

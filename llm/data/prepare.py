@@ -60,5 +60,5 @@ def build_val_loader(
         micro_batch_size,
         dp_rank,
         dp_size,
-        cfg.max_val_batches,
+        cfg.val_samples,
     )

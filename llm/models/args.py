@@ -27,7 +27,9 @@ class RopeScaling:
 class ModelArgs:
     family: str = "gpt2"  # gpt2 | llama
     vocab_size: int = 50257
-    max_seq_len: int = 1024  # GPT-2: rows of the position table; Llama: the longest sequence allowed
+    max_seq_len: int = (
+        1024  # GPT-2: rows of the position table; Llama: the longest sequence allowed
+    )
     d_model: int = 768
     n_layers: int = 12
     n_heads: int = 12

@@ -84,7 +84,9 @@ def _gpt2_to_hf(ours: StateDict, n_layers: int) -> StateDict:
             hf[f"{dst}{hf_name}.weight"] = ours[f"{src}{name}.weight"].t().contiguous()
             hf[f"{dst}{hf_name}.bias"] = ours[f"{src}{name}.bias"]
         projs = [f"{src}attention.{p}" for p in ("wq", "wk", "wv")]
-        hf[f"{dst}attn.c_attn.weight"] = torch.cat([ours[f"{p}.weight"] for p in projs]).t().contiguous()
+        hf[f"{dst}attn.c_attn.weight"] = (
+            torch.cat([ours[f"{p}.weight"] for p in projs]).t().contiguous()
+        )
         hf[f"{dst}attn.c_attn.bias"] = torch.cat([ours[f"{p}.bias"] for p in projs])
     return hf
 
@@ -124,6 +126,7 @@ def from_hf(
     dtype: torch.dtype = torch.float32,
 ) -> Transformer:
     """Our model holding the weights of the local HF GPT-2 / Llama checkpoint at ``path``."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM  # on use: ~2 s to import
 
     path = Path(path)
@@ -143,13 +146,15 @@ def from_hf(
         hf, info = AutoModelForCausalLM.from_pretrained(
             path, config=cfg, dtype=dtype, local_files_only=True, output_loading_info=True
         )
-    except (OSError, ValueError, RuntimeError) as err:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise ConfigError(
             f"weights in {path} cannot be loaded ({_first_line(err)}); re-save the checkpoint"
         ) from None
-    if info["missing_keys"] or info["mismatched_keys"]:
+    # from_pretrained fills missing weights with random init and only warns; we refuse.
+    missing = sorted(info["missing_keys"])
+    if missing:
         raise ConfigError(
-            f"{path} lacks or mis-shapes weights {sorted(info['missing_keys'] | info['mismatched_keys'])[:5]}; "
+            f"{path} lacks weights {missing[:3]} ({len(missing)} in all); "
             "the checkpoint is incomplete, re-save it"
         )
     convert = _gpt2_from_hf if args.family == "gpt2" else _llama_from_hf

@@ -14,8 +14,10 @@ if TYPE_CHECKING:  # transformers is imported on use: it adds ~2 s to `import ll
 
 
 def _unsupported(path: Any, what: str) -> ConfigError:
-    return ConfigError(f"{path}/config.json uses {what}, which llm.models cannot run; "
-                       "load it with transformers directly or convert it first")
+    return ConfigError(
+        f"{path}/config.json uses {what}, which llm.models cannot run; "
+        "load it with transformers directly or convert it first"
+    )
 
 
 def args_from_hf(cfg: PretrainedConfig, path: Any) -> ModelArgs:
@@ -87,6 +89,7 @@ def _llama_args(cfg: LlamaConfig, path: Any) -> ModelArgs:
 def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> PretrainedConfig:
     """The transformers config of the same architecture (GPT2Config or LlamaConfig)."""
     from transformers import GPT2Config, LlamaConfig
+
     if args.family == "gpt2":
         # GPT-2's special tokens (50256) only exist in the full vocabulary.
         eos = 50256 if args.vocab_size > 50256 else None
