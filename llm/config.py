@@ -24,7 +24,9 @@ def _require_positive(owner: str, **values: float) -> None:
 
 def _require_choice(owner: str, name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{owner}.{name}={value!r} is unknown; choose one of {', '.join(choices)}")
+        raise ConfigError(
+            f"{owner}.{name}={value!r} is unknown; choose one of {', '.join(choices)}"
+        )
 
 
 @dataclass
@@ -74,10 +76,15 @@ class ParallelismConfig:
     def __post_init__(self) -> None:
         _require_choice("parallelism", "name", self.name, ("single", "ddp"))
         _require_positive(
-            "parallelism", tp_size=self.tp_size, pp_size=self.pp_size, bucket_cap_mb=self.bucket_cap_mb
+            "parallelism",
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            bucket_cap_mb=self.bucket_cap_mb,
         )
         if self.dp_size == 0 or self.dp_size < -1:
-            raise ConfigError(f"parallelism.dp_size={self.dp_size} must be > 0, or -1 for all ranks")
+            raise ConfigError(
+                f"parallelism.dp_size={self.dp_size} must be > 0, or -1 for all ranks"
+            )
         if self.tp_size > 1 or self.pp_size > 1:
             raise ConfigError(
                 "parallelism.tp_size/pp_size > 1 is not implemented yet; use tp_size=1 pp_size=1"

@@ -53,7 +53,9 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
             world_size=int(env["SLURM_NTASKS"]),
             master_addr=env.get("MASTER_ADDR") or _slurm_first_host(env),
             # Every task must agree on the port without talking: derive it from the job id.
-            master_port=int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)),
+            master_port=int(
+                env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
+            ),
         )
     return None
 

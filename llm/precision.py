@@ -25,7 +25,11 @@ class PrecisionPolicy:
     @property
     def flops_dtype(self) -> torch.dtype | str:
         """What the matmuls run at, as the peak-FLOP/s table names it ("tf32" is no dtype)."""
-        return "tf32" if self.allow_tf32 and self.compute_dtype == torch.float32 else self.compute_dtype
+        return (
+            "tf32"
+            if self.allow_tf32 and self.compute_dtype == torch.float32
+            else self.compute_dtype
+        )
 
     def autocast(self, device: torch.device):
         """Autocast to the compute dtype; a no-op when it equals the parameter dtype."""
@@ -53,7 +57,9 @@ def resolve_precision(name: str, device: torch.device) -> PrecisionPolicy:
         return PrecisionPolicy("fp32", f32, f32, f32, f32)
     if name == "tf32":
         if device.type != "cuda":
-            raise ConfigError("precision=tf32 needs an NVIDIA GPU (Ampere or newer); use precision=fp32")
+            raise ConfigError(
+                "precision=tf32 needs an NVIDIA GPU (Ampere or newer); use precision=fp32"
+            )
         return PrecisionPolicy("tf32", f32, f32, f32, f32, allow_tf32=True)
     if name == "bf16":
         if device.type == "cuda" and not bf16_supported(device):

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from llm.config import Config
-from llm.errors import ConfigError
 from llm.data import build_train_loader, build_val_loader, prepare_data
+from llm.errors import ConfigError
 from llm.launch import RankEnv
 from llm.logging import NullLogger, RunLogger
 from llm.models import build_model, flops_per_token, from_hf, materialize, model_args, num_params
@@ -43,7 +43,10 @@ def config_digest(cfg: Config) -> str:
 def git_sha() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -97,7 +100,9 @@ def main(cfg: Config, env: RankEnv) -> dict:
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
-    init_distributed(env, device, cfg.launcher.backend, env.world_size > 1 or cfg.parallelism.name != "single")
+    init_distributed(
+        env, device, cfg.launcher.backend, env.world_size > 1 or cfg.parallelism.name != "single"
+    )
     try:
         return _train(cfg, env, device)
     finally:
@@ -112,8 +117,11 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     precision = resolve_precision(cfg.precision.name, device)
     precision.apply_backend_flags()
     dims = ParallelDims.from_config(
-        cfg.parallelism.dp_size, cfg.parallelism.tp_size, cfg.parallelism.pp_size,
-        env.world_size, env.rank,
+        cfg.parallelism.dp_size,
+        cfg.parallelism.tp_size,
+        cfg.parallelism.pp_size,
+        env.world_size,
+        env.rank,
     )
     output_dir = Path(cfg.output_dir)
 
@@ -127,10 +135,8 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     # Fixed order (torchtitan): recompute wraps blocks before the strategy wraps the model,
     # and weights are materialised last, so large shapes never exist unsharded.
     model = apply_recompute(model, cfg.recompute)
-    if not loaded:
-        model = materialize(model, device, cfg.train.seed)
-    else:
-        model = model.to(device)
+    # A Hugging Face checkpoint arrives with its weights; a registry model is still on meta.
+    model = model.to(device) if loaded else materialize(model, device, cfg.train.seed)
     strategy = build_strategy(cfg.parallelism, dims, precision, device)
     model = strategy.wrap(model)
     if cfg.train.compile:
@@ -141,13 +147,20 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     train_loader = build_train_loader(
         prepared, cfg.data, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size, cfg.train.seed
     )
-    val_loader = build_val_loader(prepared, cfg.data, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size)
+    val_loader = build_val_loader(
+        prepared, cfg.data, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size
+    )
 
     run_config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     logger = (
         RunLogger(
-            cfg.logger, output_dir, run_config, cfg.train.max_steps,
-            run_name=output_dir.name if cfg.sweep_name is None else f"{cfg.sweep_name}/{output_dir.name}",
+            cfg.logger,
+            output_dir,
+            run_config,
+            cfg.train.max_steps,
+            run_name=output_dir.name
+            if cfg.sweep_name is None
+            else f"{cfg.sweep_name}/{output_dir.name}",
             group=cfg.logger.group or cfg.sweep_name,
         )
         if env.rank == 0
@@ -155,13 +168,25 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     )
     model_digest = hashlib.sha256(repr(args).encode()).hexdigest()[:16]
     checkpointer = (
-        Checkpointer(output_dir / "checkpoints", cfg.checkpoint.keep_last, model_digest, env.world_size)
+        Checkpointer(
+            output_dir / "checkpoints", cfg.checkpoint.keep_last, model_digest, env.world_size
+        )
         if cfg.checkpoint.enabled
         else None
     )
     trainer = Trainer(
-        cfg, model, strategy, optimizer, scheduler, train_loader, val_loader, logger, checkpointer,
-        flops_per_token(args, cfg.data.seq_len), peak_flops(device, precision.flops_dtype), device,
+        cfg,
+        model,
+        strategy,
+        optimizer,
+        scheduler,
+        train_loader,
+        val_loader,
+        logger,
+        checkpointer,
+        flops_per_token(args, cfg.data.seq_len),
+        peak_flops(device, precision.flops_dtype),
+        device,
     )
     try:
         if checkpointer is not None and (path := checkpointer.resolve(cfg.checkpoint.resume)):

@@ -22,9 +22,26 @@ def text_corpus(tmp_path_factory) -> Path:
     """A folder of real text documents of different lengths (standard-library modules)."""
     root = tmp_path_factory.mktemp("corpus")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    names = ["textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py",
-             "colorsys.py", "keyword.py", "stat.py", "this.py", "base64.py", "string.py",
-             "copy.py", "queue.py", "sched.py", "numbers.py", "operator.py", "linecache.py"]
+    names = [
+        "textwrap.py",
+        "shlex.py",
+        "fnmatch.py",
+        "glob.py",
+        "bisect.py",
+        "heapq.py",
+        "colorsys.py",
+        "keyword.py",
+        "stat.py",
+        "this.py",
+        "base64.py",
+        "string.py",
+        "copy.py",
+        "queue.py",
+        "sched.py",
+        "numbers.py",
+        "operator.py",
+        "linecache.py",
+    ]
     for name in names:
         (root / f"{Path(name).stem}.txt").write_text((stdlib / name).read_text())
     return root

@@ -64,7 +64,9 @@ def test_corrupt_checkpoint_names_the_previous_one(tmp_path, text_corpus, cache_
     previous = str(out / "checkpoints/step_000002")
     summary = launch(
         compose_config(
-            overrides(out, text_corpus, cache_dir, "train.max_steps=6", f"checkpoint.resume={previous}")
+            overrides(
+                out, text_corpus, cache_dir, "train.max_steps=6", f"checkpoint.resume={previous}"
+            )
         )
     )
     assert summary["steps"] == 6
@@ -74,7 +76,7 @@ def test_unreadable_meta_is_refused(tmp_path, text_corpus, cache_dir):
     out = tmp_path / "run"
     launch(compose_config(overrides(out, text_corpus, cache_dir, "train.max_steps=2")))
     (out / "checkpoints/step_000002/meta.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="meta.json is unreadable"):
+    with pytest.raises(CheckpointError, match=r"meta\.json is unreadable"):
         launch(compose_config(overrides(out, text_corpus, cache_dir, "train.max_steps=4")))
 
 
@@ -89,17 +91,28 @@ def test_mismatched_model_is_refused(tmp_path, text_corpus, cache_dir):
 def test_resume_on_another_world_size(tmp_path, text_corpus, cache_dir):
     """Saved by 2 DDP ranks, resumed by 1 process with the same global batch."""
     ref_out = tmp_path / "ref"
-    launch(compose_config(small_run_overrides(ref_out, text_corpus, cache_dir, "train.micro_batch_size=8")))
+    launch(
+        compose_config(
+            small_run_overrides(ref_out, text_corpus, cache_dir, "train.micro_batch_size=8")
+        )
+    )
     out = tmp_path / "run"
     launch(
         compose_config(
             small_run_overrides(
-                out, text_corpus, cache_dir, "parallelism=ddp", "launcher.nproc_per_node=2",
-                "train.micro_batch_size=4", "train.stop_at_step=3",
+                out,
+                text_corpus,
+                cache_dir,
+                "parallelism=ddp",
+                "launcher.nproc_per_node=2",
+                "train.micro_batch_size=4",
+                "train.stop_at_step=3",
             )
         )
     )
-    launch(compose_config(small_run_overrides(out, text_corpus, cache_dir, "train.micro_batch_size=8")))
+    launch(
+        compose_config(small_run_overrides(out, text_corpus, cache_dir, "train.micro_batch_size=8"))
+    )
     ref, got = train_losses(ref_out), train_losses(out)
     for step in range(1, 7):
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step

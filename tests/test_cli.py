@@ -25,29 +25,58 @@ def train_cli(args, cwd, timeout=600, **popen):
 
 def small(corpus, cache, *extra):
     return [
-        "model=gpt2-tiny", "data=files", f"data.path={corpus}", f"data.cache_dir={cache}",
-        "data.tokenizer=bpe", "data.vocab_size=300", "data.seq_len=64", "data.val_samples=8",
-        "train.device=cpu", "train.micro_batch_size=4", "train.log_every=2",
-        "scheduler.warmup_steps=1", *extra,
+        "model=gpt2-tiny",
+        "data=files",
+        f"data.path={corpus}",
+        f"data.cache_dir={cache}",
+        "data.tokenizer=bpe",
+        "data.vocab_size=300",
+        "data.seq_len=64",
+        "data.val_samples=8",
+        "train.device=cpu",
+        "train.micro_batch_size=4",
+        "train.log_every=2",
+        "scheduler.warmup_steps=1",
+        *extra,
     ]
 
 
 def test_run_writes_summary_metrics_and_wandb_offline(tmp_path, text_corpus, cache_dir):
     out = tmp_path / "run"
     result = train_cli(
-        small(text_corpus, cache_dir, "train.max_steps=6", "train.eval_every=3",
-              f"hydra.run.dir={out}", "logger=wandb"),
+        small(
+            text_corpus,
+            cache_dir,
+            "train.max_steps=6",
+            "train.eval_every=3",
+            f"hydra.run.dir={out}",
+            "logger=wandb",
+        ),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("steps", "final_train_loss", "final_val_loss", "tokens_per_sec", "mfu",
-                "peak_memory_bytes", "model_state_bytes", "comm_bytes_per_step", "world_size",
-                "device", "git_sha", "config_digest"):
+    for key in (
+        "steps",
+        "final_train_loss",
+        "final_val_loss",
+        "tokens_per_sec",
+        "mfu",
+        "peak_memory_bytes",
+        "model_state_bytes",
+        "comm_bytes_per_step",
+        "world_size",
+        "device",
+        "git_sha",
+        "config_digest",
+    ):
         assert key in summary, key
     assert summary["steps"] == 6 and summary["world_size"] == 1 and summary["mfu"] is None
     assert set(summary["model_state_bytes"][0]) == {"params", "grads", "optimizer_states"}
-    assert summary["model_state_bytes"][0]["optimizer_states"] > summary["model_state_bytes"][0]["params"]
+    assert (
+        summary["model_state_bytes"][0]["optimizer_states"]
+        > summary["model_state_bytes"][0]["params"]
+    )
     metrics = read_metrics(out)
     logged = [m for m in metrics if "loss" in m]
     assert [m["step"] for m in logged] == [1, 2, 4, 6]
@@ -71,9 +100,20 @@ def test_bad_config_is_one_line_before_any_work(tmp_path):
 def test_multirun_two_jobs_of_two_ranks(tmp_path, text_corpus, cache_dir):
     sweep = tmp_path / "sweep"
     result = train_cli(
-        ["-m", *small(text_corpus, cache_dir, "train.max_steps=3", "train.eval_every=100",
-                      "parallelism=ddp", "launcher.nproc_per_node=2", "optimizer=adamw,sgd",
-                      "logger=wandb", f"hydra.sweep.dir={sweep}")],
+        [
+            "-m",
+            *small(
+                text_corpus,
+                cache_dir,
+                "train.max_steps=3",
+                "train.eval_every=100",
+                "parallelism=ddp",
+                "launcher.nproc_per_node=2",
+                "optimizer=adamw,sgd",
+                "logger=wandb",
+                f"hydra.sweep.dir={sweep}",
+            ),
+        ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -92,9 +132,18 @@ def test_multirun_two_jobs_of_two_ranks(tmp_path, text_corpus, cache_dir):
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, text_corpus, cache_dir):
     out = tmp_path / "run"
     proc = train_cli(
-        small(text_corpus, cache_dir, "train.max_steps=100000", "train.log_every=1",
-              "train.eval_every=100000", "logger=none", f"hydra.run.dir={out}"),
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        small(
+            text_corpus,
+            cache_dir,
+            "train.max_steps=100000",
+            "train.log_every=1",
+            "train.eval_every=100000",
+            "logger=none",
+            f"hydra.run.dir={out}",
+        ),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 300

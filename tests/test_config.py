@@ -22,8 +22,17 @@ BASE = ["output_dir=/tmp/unused"]
 
 def test_every_group_has_options():
     assert set(GROUPS) >= {
-        "model", "parallelism", "precision", "optimizer", "scheduler", "data", "recompute",
-        "attention", "logger", "monitor", "launcher",
+        "model",
+        "parallelism",
+        "precision",
+        "optimizer",
+        "scheduler",
+        "data",
+        "recompute",
+        "attention",
+        "logger",
+        "monitor",
+        "launcher",
     }
 
 
@@ -86,7 +95,9 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    cfg = compose_config([*BASE, "parallelism=ddp", "launcher.nproc_per_node=4", "train.device=cuda"])
+    cfg = compose_config(
+        [*BASE, "parallelism=ddp", "launcher.nproc_per_node=4", "train.device=cuda"]
+    )
     with pytest.raises(ConfigError, match="only 2 GPU"):
         validate(cfg)
 
@@ -100,10 +111,28 @@ def test_cuda_without_gpu_is_refused():
 
 def test_launcher_env_detection():
     assert external_rank_env({}) is None
-    torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"}
+    torchrun = {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "1234",
+    }
     env = external_rank_env(torchrun)
-    assert (env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port) == (3, 1, 8, "n1", 1234)
-    slurm = {"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "MASTER_ADDR": "h0", "SLURM_JOB_ID": "77"}
+    assert (env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port) == (
+        3,
+        1,
+        8,
+        "n1",
+        1234,
+    )
+    slurm = {
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+        "MASTER_ADDR": "h0",
+        "SLURM_JOB_ID": "77",
+    }
     env = external_rank_env(slurm)
     assert (env.rank, env.world_size, env.master_addr, env.master_port) == (2, 4, "h0", 20077)
     # One Slurm task (e.g. submitit with tasks_per_node=1) is not a distributed launch.
@@ -123,7 +152,14 @@ def test_wandb_mode_is_offline_without_credentials(monkeypatch, tmp_path):
 
 def test_config_files_exist_for_design_keys():
     cfg = compose_config(BASE)
-    for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "seed", "log_every", "eval_every"):
+    for key in (
+        "max_steps",
+        "micro_batch_size",
+        "grad_accum_steps",
+        "seed",
+        "log_every",
+        "eval_every",
+    ):
         assert hasattr(cfg.train, key)
     assert cfg.data.seq_len > 0 and cfg.checkpoint.resume == "auto"
     assert cfg.launcher.nproc_per_node == 1

@@ -334,7 +334,9 @@ def real_rows(loaders):
 def test_val_set_is_the_same_for_any_batch_and_rank_count(micro_batch_size, dp_size):
     ds = stream_dataset(n_tokens=1000)
     reference = real_rows([ValLoader(ds, 16, True, 7, 0, 1, n_samples=22)])
-    loaders = [ValLoader(ds, 16, True, micro_batch_size, r, dp_size, n_samples=22) for r in range(dp_size)]
+    loaders = [
+        ValLoader(ds, 16, True, micro_batch_size, r, dp_size, n_samples=22) for r in range(dp_size)
+    ]
     # Every rank runs the same number of micro-batches; padding rows carry no target.
     assert len({len(loader) for loader in loaders}) == 1
     assert real_rows(loaders) == reference and len(reference) == 22

@@ -24,8 +24,11 @@ def final_weights(out):
     ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]
     reader = dcp.FileSystemReader(str(ckpt))
     meta = reader.read_metadata()
-    state = {k: torch.empty(v.size) for k, v in meta.state_dict_metadata.items()
-             if k.startswith("model.") and hasattr(v, "size")}
+    state = {
+        k: torch.empty(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
     dcp.load(state, storage_reader=reader)
     return state
 
@@ -42,8 +45,13 @@ def test_accumulation_equals_large_batch_with_unequal_documents(tmp_path, line_d
     common = ("data.packing=false", "train.max_steps=5", "optimizer=sgd", "optimizer.lr=0.5")
     big, out_big = run(tmp_path, "big", line_docs, cache_dir, "train.micro_batch_size=8", *common)
     acc, out_acc = run(
-        tmp_path, "acc", line_docs, cache_dir,
-        "train.micro_batch_size=2", "train.grad_accum_steps=4", *common,
+        tmp_path,
+        "acc",
+        line_docs,
+        cache_dir,
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=4",
+        *common,
     )
     ref, got = train_losses(out_big), train_losses(out_acc)
     assert sorted(ref) == list(range(1, 6))
@@ -60,8 +68,14 @@ def test_ddp_two_ranks_equals_single_process(tmp_path, text_corpus, cache_dir):
         tmp_path, "single", text_corpus, cache_dir, "train.micro_batch_size=8", *steps
     )
     ddp, out_ddp = run(
-        tmp_path, "ddp", text_corpus, cache_dir,
-        "parallelism=ddp", "launcher.nproc_per_node=2", "train.micro_batch_size=4", *steps,
+        tmp_path,
+        "ddp",
+        text_corpus,
+        cache_dir,
+        "parallelism=ddp",
+        "launcher.nproc_per_node=2",
+        "train.micro_batch_size=4",
+        *steps,
     )
     assert ddp["world_size"] == 2 and single["world_size"] == 1
     # Tolerance 1e-5 relative: the two differ only in the order fp32 gradients are summed
@@ -81,9 +95,15 @@ def test_ddp_two_ranks_equals_single_process(tmp_path, text_corpus, cache_dir):
 
 def test_ddp_skips_all_reduce_inside_accumulation(tmp_path, text_corpus, cache_dir):
     acc, _ = run(
-        tmp_path, "ddp_acc", text_corpus, cache_dir,
-        "parallelism=ddp", "launcher.nproc_per_node=2", "train.micro_batch_size=2",
-        "train.grad_accum_steps=3", "train.max_steps=3",
+        tmp_path,
+        "ddp_acc",
+        text_corpus,
+        cache_dir,
+        "parallelism=ddp",
+        "launcher.nproc_per_node=2",
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=3",
+        "train.max_steps=3",
     )
     params = acc["model_state_bytes"][0]["params"]
     # One all-reduce of all gradients per optimizer step, not one per micro-batch.
@@ -94,12 +114,16 @@ def test_resume_gives_bitwise_same_losses(tmp_path, text_corpus, cache_dir):
     full, out_full = run(tmp_path, "full", text_corpus, cache_dir, "train.max_steps=8")
     out = tmp_path / "halves"
     first = compose_config(
-        small_run_overrides(out, text_corpus, cache_dir, "train.max_steps=8", "train.stop_at_step=4")
+        small_run_overrides(
+            out, text_corpus, cache_dir, "train.max_steps=8", "train.stop_at_step=4"
+        )
     )
     summary_first = launch(first)
     assert summary_first["steps"] == 4 and summary_first["stopped_early"]
     second = compose_config(
-        small_run_overrides(out, text_corpus, cache_dir, "train.max_steps=8", "checkpoint.resume=auto")
+        small_run_overrides(
+            out, text_corpus, cache_dir, "train.max_steps=8", "checkpoint.resume=auto"
+        )
     )
     summary_second = launch(second)
     assert summary_second["steps"] == 8

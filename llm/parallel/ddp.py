@@ -1,7 +1,6 @@
 """Data parallel with torch's DistributedDataParallel: a full replica per rank, gradients
 all-reduced in buckets during backward (averaged over ranks), skipped inside accumulation."""
 
-
 from collections import Counter
 
 import torch

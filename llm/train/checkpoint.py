@@ -30,7 +30,9 @@ import torch.distributed.checkpoint as dcp
 from llm.errors import CheckpointError
 
 # One process without a process group is a supported DCP mode; its warning is noise here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
 META = "meta.json"
 TRAINER = "trainer.pt"
@@ -153,7 +155,9 @@ class Checkpointer:
 
     def _verify(self, path: Path) -> dict:
         if not (path / META).is_file():
-            raise CheckpointError(self._unusable(path, "meta.json is missing (an unfinished write)"))
+            raise CheckpointError(
+                self._unusable(path, "meta.json is missing (an unfinished write)")
+            )
         try:
             meta = json.loads((path / META).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

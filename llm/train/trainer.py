@@ -170,7 +170,9 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------
     def fit(self) -> dict:
         t = self.cfg.train
-        tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.dp_size * self.cfg.data.seq_len
+        tokens_per_step = (
+            t.micro_batch_size * t.grad_accum_steps * self.dp_size * self.cfg.data.seq_len
+        )
         timer = StepTimer(self.device)
         last = t.stop_at_step or t.max_steps
         self.model.train()
