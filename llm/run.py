@@ -175,18 +175,18 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
         else None
     )
     trainer = Trainer(
-        cfg,
-        model,
-        strategy,
-        optimizer,
-        scheduler,
-        train_loader,
-        val_loader,
-        logger,
-        checkpointer,
-        flops_per_token(args, cfg.data.seq_len),
-        peak_flops(device, precision.flops_dtype),
-        device,
+        cfg=cfg,
+        model=model,
+        strategy=strategy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        logger=logger,
+        checkpointer=checkpointer,
+        flops_per_token=flops_per_token(args, cfg.data.seq_len),
+        peak_flops=peak_flops(device, precision.flops_dtype),
+        device=device,
     )
     try:
         if checkpointer is not None and (path := checkpointer.resolve(cfg.checkpoint.resume)):

@@ -164,3 +164,19 @@ def test_config_files_exist_for_design_keys():
     assert cfg.data.seq_len > 0 and cfg.checkpoint.resume == "auto"
     assert cfg.launcher.nproc_per_node == 1
     assert Path(CONF / "config.yaml").is_file()
+
+
+def test_slurm_launcher_composes():
+    """`hydra/launcher=submitit_slurm` is installed and composes with our config."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=[*BASE, "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=8"],
+            return_hydra_config=True,
+        )
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.tasks_per_node == 8

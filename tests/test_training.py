@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -132,3 +134,20 @@ def test_resume_gives_bitwise_same_losses(tmp_path, text_corpus, cache_dir):
         assert got[step] == ref[step], step  # bitwise on CPU in fp32
     assert summary_second["final_val_loss"] == full["final_val_loss"]
     assert_close_weights(final_weights(out_full), final_weights(out), rtol=0, atol=0)
+
+
+def test_init_from_hugging_face_checkpoint(tmp_path, text_corpus, cache_dir):
+    """model.init_from starts training from a local transformers checkpoint's weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_dir = tmp_path / "hf"
+    config = GPT2Config(vocab_size=257, n_positions=128, n_embd=32, n_layer=2, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(hf_dir)
+    summary, out = run(
+        tmp_path, "init", text_corpus, cache_dir, f"model.init_from={hf_dir}", "train.max_steps=2"
+    )
+    assert summary["n_params"] == sum(
+        p.numel() for p in GPT2LMHeadModel.from_pretrained(hf_dir).parameters()
+    )
+    # The first step's loss is the checkpoint's: near chance for its random 257-way init.
+    assert train_losses(out)[1] == pytest.approx(math.log(257), rel=0.05)
