@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from llm.config import Config
+from llm.data import IGNORE
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import (
     StepTimer,
@@ -21,8 +22,6 @@ from llm.train.metrics import (
     peak_rss_bytes,
 )
 from llm.train.monitor import Monitor
-
-IGNORE = -100  # target id that carries no loss (padding)
 
 
 @dataclass
