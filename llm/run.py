@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 import subprocess
 from datetime import timedelta
@@ -53,8 +54,18 @@ def git_sha() -> str | None:
     return out.stdout.strip() or None
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def hardware(device: torch.device) -> dict:
-    info = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__}
+    info = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_count"] = torch.cuda.device_count()
@@ -216,7 +227,7 @@ def _run_facts(cfg: Config, env: RankEnv, device: torch.device, summary: dict, a
         "world_size": env.world_size,
         "dp_size": cfg.parallelism.dp_size if cfg.parallelism.dp_size > 0 else env.world_size,
         "strategy": cfg.parallelism.name,
-        "precision": cfg.precision.name,
+        "precision": resolve_precision(cfg.precision.name, device).name,
         "model": cfg.model.name,
         "n_params": num_params(args),
         "device": str(device.type),

@@ -311,10 +311,13 @@ def test_resume_gives_the_same_batches_on_any_world_size():
 
 def test_val_loader_is_ordered_sharded_and_reiterable():
     ds = stream_dataset(n_tokens=1000)  # 62 samples of 16
-    ranks = [ValLoader(ds, 16, True, 3, r, 2, n_samples=24) for r in range(2)]
-    assert len(ranks[0]) == 4
+    ranks = [ValLoader(ds, 16, True, 3, r, 2, n_samples=62) for r in range(2)]
+    assert len(ranks[0]) == 11  # ceil(62 / (3 * 2)); the last global batch is padded
     firsts = [[int(b.input_ids[i, 0]) for b in loader for i in range(3)] for loader in ranks]
     assert firsts[0][:6] == [0, 16, 32, 96, 112, 128] and firsts[1][:3] == [48, 64, 80]
+    # A subset is spread over the whole split: first and last sample included.
+    spread = real_rows([ValLoader(ds, 16, True, 4, 0, 1, n_samples=5)])
+    assert [start for start, _ in spread] == [0, 240, 480, 736, 976]
     assert [b.input_ids.tolist() for b in ranks[0]] == [b.input_ids.tolist() for b in ranks[0]]
     assert ValLoader(ds, 16, True, 20, 0, 1, n_samples=1000).n_samples == 62  # the whole split
 

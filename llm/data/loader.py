@@ -91,8 +91,9 @@ class TrainLoader:
 
 
 class ValLoader:
-    """The first ``n_samples`` samples of the split in order, the same set whatever the
-    micro-batch size and dp size (so validation losses compare across a sweep); re-iterable.
+    """``n_samples`` samples spread evenly over the split (every file is represented, not
+    just the first few), the same set whatever the micro-batch size and dp size, so
+    validation losses compare across a sweep; re-iterable.
 
     Every rank runs the same number of micro-batches (collectives inside a sharded forward
     must match up): the last global micro-batch is filled with rows whose targets are all
@@ -118,6 +119,8 @@ class ValLoader:
                 "or lower data.seq_len"
             )
         self.n_samples = min(n_samples, available)
+        # Evenly strided sample indices; all of them when the split is small.
+        self.indices = np.linspace(0, available - 1, self.n_samples).round().astype(np.int64)
         self.n_batches = math.ceil(self.n_samples / (micro_batch_size * dp_size))
 
     def __len__(self) -> int:
@@ -127,15 +130,15 @@ class ValLoader:
         b = self.micro_batch_size
         for step in range(self.n_batches):
             start = step * b * self.dp_size + self.dp_rank * b
-            real = range(min(start, self.n_samples), min(start + b, self.n_samples))
+            real = self.indices[start : start + b]
             yield self._padded(real, b - len(real))
 
-    def _padded(self, indices: range, n_pad: int) -> Batch:
+    def _padded(self, indices: np.ndarray, n_pad: int) -> Batch:
         if n_pad == 0:
             return self.dataset.batch(indices, self.seq_len, self.packing)
         pad_inputs = torch.zeros(n_pad, self.seq_len, dtype=torch.long)
         pad_targets = torch.full((n_pad, self.seq_len), IGNORE, dtype=torch.long)
-        if not indices:
+        if len(indices) == 0:
             return Batch(pad_inputs, pad_targets)
         real = self.dataset.batch(indices, self.seq_len, self.packing)
         return Batch(

@@ -94,6 +94,7 @@ class Trainer:
         self.device = device
         self.monitor = Monitor(cfg.monitor)
         self.state = TrainState()
+        self.model_state_bytes: dict[str, int] = {}
         self.dp_size = strategy.dims.dp_size
 
     # ---- checkpoint state -------------------------------------------------------------
@@ -150,6 +151,8 @@ class Trainer:
             loss_sum += loss.item()
         result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
         self.scheduler.step()
+        # Sampled while gradients exist: what a rank holds at its peak of model state.
+        self.model_state_bytes = self.strategy.memory()
         self.strategy.zero_grad()
         (total,) = _all_reduce_sum([loss_sum], self.device)
         return total / max(global_tokens, 1.0), result.grad_norm, stop_votes > 0
@@ -233,7 +236,7 @@ class Trainer:
         out["mfu"] = self.state.mfus[-1] if self.state.mfus else None
         out["tokens_seen"] = self.state.tokens_seen
         out["peak_memory_bytes"] = self.peak_memory()
-        for kind, value in self.strategy.memory().items():
+        for kind, value in self.model_state_bytes.items():
             out[f"memory/{kind}_bytes"] = value
         return out
 
@@ -260,6 +263,6 @@ class Trainer:
             "tokens_per_sec": statistics.median(tps) if tps else None,
             "mfu": statistics.median(self.state.mfus) if self.state.mfus else None,
             "peak_memory_bytes": self.peak_memory(),
-            "model_state_bytes": self.strategy.memory(),
+            "model_state_bytes": self.model_state_bytes,
             "comm_bytes_per_step": {k: v / steps for k, v in self.state.comm_per_step.items()},
         }
