@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,12 @@ class RunLogger:
         max_steps: int,
         run_name: str,
         group: str | None,
+        console: Console | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(self.output_dir / "metrics.jsonl", "a")  # noqa: SIM115
-        self.console = Console(stderr=True)
+        self.console = console or Console(stderr=True)
         self.max_steps = max_steps
         self.wandb_run = self._init_wandb(cfg, run_config, run_name, group)
         self.progress = self._init_progress(cfg)
@@ -100,7 +100,8 @@ class RunLogger:
                 for k, v in metrics.items()
                 if k in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s")
             )
-            print(f"step {step:>6}/{self.max_steps}  {shown}", file=sys.stderr, flush=True)
+            line = f"step {step:>6}/{self.max_steps}  {shown}"
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def alert(self, message: str) -> None:
         self.console.print(f"[yellow]alert:[/yellow] {message}")
