@@ -32,6 +32,13 @@ class RankEnv:
     world_size: int
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # "env://" under torchrun / deepspeed: their agent may already host the rendezvous store
+    # on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), which a tcp:// init would collide with.
+    init_method: str | None = None
+
+    @property
+    def init_url(self) -> str:
+        return self.init_method or f"tcp://{self.master_addr}:{self.master_port}"
 
 
 def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
@@ -45,6 +52,7 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
             world_size=int(env["WORLD_SIZE"]),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
+            init_method="env://",
         )
     if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
         return RankEnv(

@@ -79,7 +79,7 @@ def init_distributed(env: RankEnv, device: torch.device, backend: str, needed: b
         backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        init_method=env.init_url,
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(minutes=10),
@@ -114,6 +114,12 @@ def main(cfg: Config, env: RankEnv) -> dict:
     init_distributed(
         env, device, cfg.launcher.backend, env.world_size > 1 or cfg.parallelism.name != "single"
     )
+    if dist.is_initialized() and env.world_size > 1:
+        # Under torchrun/Slurm every rank ran Hydra and may have its own timestamped run
+        # directory: rank 0's is the run's.
+        shared = [cfg.output_dir]
+        dist.broadcast_object_list(shared, src=0)
+        cfg = dataclasses.replace(cfg, output_dir=shared[0])
     try:
         return _train(cfg, env, device)
     finally:
@@ -136,7 +142,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     )
     output_dir = Path(cfg.output_dir)
 
-    prepared = prepare_data(cfg.data)
+    prepared = _prepare_data_rank0_first(cfg, env)
     model, args, loaded = build_model_for(cfg, prepared.tokenizer.vocab_size)
     if args.vocab_size < prepared.tokenizer.vocab_size:
         raise ConfigError(
@@ -208,6 +214,16 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
         return summary
     finally:
         logger.close()
+
+
+def _prepare_data_rank0_first(cfg: Config, env: RankEnv):
+    """Rank 0 trains the tokenizer and tokenises (a no-op when the launcher already did);
+    the others then load its caches instead of all doing the same work at once."""
+    if env.rank == 0:
+        prepared = prepare_data(cfg.data)
+    if dist.is_initialized():
+        dist.barrier()
+    return prepared if env.rank == 0 else prepare_data(cfg.data)
 
 
 def _gather(value):

@@ -157,3 +157,29 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, text_corpus, cache_dir)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_early"] and 3 <= summary["steps"] < 100000
     assert (out / "checkpoints" / f"step_{summary['steps']:06d}" / "meta.json").is_file()
+
+
+def test_torchrun_ranks_share_one_run_directory(tmp_path, text_corpus, cache_dir):
+    """Under torchrun each rank runs Hydra itself; rank 0's run directory is the run's."""
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",  # a free port for the rendezvous
+        "--nproc-per-node",
+        "2",
+        str(REPO / "train.py"),
+        *small(
+            text_corpus,
+            cache_dir,
+            "train.max_steps=3",
+            "parallelism=ddp",
+            "launcher=torchrun",
+            "logger=none",
+        ),
+    ]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (summary_file,) = tmp_path.glob("outputs/*/*/summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["world_size"] == 2 and len(summary["comm_bytes_per_step"]) == 2
+    (checkpoint,) = summary_file.parent.glob("checkpoints/step_000003")
+    assert len(list(checkpoint.glob("rng_rank*.pt"))) == 2
