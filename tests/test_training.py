@@ -151,3 +151,21 @@ def test_init_from_hugging_face_checkpoint(tmp_path, text_corpus, cache_dir):
     )
     # The first step's loss is the checkpoint's: near chance for its random 257-way init.
     assert train_losses(out)[1] == pytest.approx(math.log(257), rel=0.05)
+
+
+@pytest.mark.parametrize(
+    ("model", "extra"),
+    [
+        ("llama-tiny", ("attention=eager", "scheduler=wsd", "optimizer=sgd")),
+        ("gpt2-tiny", ("attention=sdpa", "scheduler=linear", "model.dropout=0.0")),
+    ],
+)
+def test_recompute_changes_memory_not_losses(tmp_path, text_corpus, cache_dir, model, extra):
+    """Full recompute re-runs each block's forward in backward: same losses, both families."""
+    common = (f"model={model}", "train.max_steps=4", *extra)
+    _, plain = run(tmp_path, "plain", text_corpus, cache_dir, "recompute=none", *common)
+    _, recomputed = run(tmp_path, "full", text_corpus, cache_dir, "recompute=full", *common)
+    ref, got = train_losses(plain), train_losses(recomputed)
+    assert sorted(ref) == [1, 2, 3, 4] and ref[4] < ref[1]
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-6), step
