@@ -41,6 +41,12 @@ def config_digest(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def shape_digest(args) -> str:
+    """What a checkpoint must match to load: the shape, not dropout or the init scale."""
+    shape = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("dropout", "init_std")}
+    return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def git_sha() -> str | None:
     try:
         out = subprocess.run(
@@ -183,7 +189,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
         if env.rank == 0
         else NullLogger()
     )
-    model_digest = hashlib.sha256(repr(args).encode()).hexdigest()[:16]
+    model_digest = shape_digest(args)
     checkpointer = (
         Checkpointer(
             output_dir / "checkpoints", cfg.checkpoint.keep_last, model_digest, env.world_size

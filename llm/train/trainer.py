@@ -36,8 +36,9 @@ class TrainState:
     comm_steps: int = 0
 
 
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+def _all_reduce_sum(values: list, device: torch.device) -> list[float]:
+    """Sum floats or 0-d tensors over ranks in one collective (one host sync)."""
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     if dist.is_initialized():
         dist.all_reduce(t)
     return t.tolist()
@@ -132,8 +133,9 @@ class Trainer:
         stop requested on any rank)."""
         with timer.data():
             batches = [next(self.train_loader) for _ in range(self.cfg.train.grad_accum_steps)]
-        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        # Counted on the host copies: no device sync before the forward.
         local_tokens = sum(int((y != IGNORE).sum()) for _, y in batches)
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         # One tiny collective gives every rank the global target count (for the loss
         # normaliser) and whether any rank was asked to stop.
         global_tokens, stop_votes = _all_reduce_sum(
@@ -143,12 +145,12 @@ class Trainer:
         # summed loss by dp_size / global_tokens yields the per-token mean over the whole
         # accumulated global batch: k micro-batches of b equal one batch of k*b.
         scale = self.dp_size / max(global_tokens, 1.0)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y) in enumerate(batches):
             with self.strategy.micro_batch(sync=i == len(batches) - 1):
                 loss = self._loss_sum(x, y)
                 self.strategy.backward(loss * scale)
-            loss_sum += loss.item()
+            loss_sum += loss.detach()  # no .item(): a host sync per micro-batch stalls a GPU
         result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
         self.scheduler.step()
         # Sampled while gradients exist: what a rank holds at its peak of model state.
@@ -160,11 +162,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        loss_sum, tokens = 0.0, 0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in self.val_loader:
             x, y = x.to(self.device), y.to(self.device)
-            loss_sum += self._loss_sum(x, y).item()
-            tokens += int((y != IGNORE).sum())
+            loss_sum += self._loss_sum(x, y)
+            tokens += (y != IGNORE).sum()
         self.model.train()
         loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], self.device)
         return loss_sum / max(tokens, 1.0)
