@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-slow lint bench clean
+.PHONY: help venv train test test-slow test-gpu lint bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -33,6 +33,9 @@ test: $(STAMP) ## the fast test suite (CI runs this)
 
 test-slow: $(STAMP) ## the slow tests (longer runs, bigger shapes)
 	$(PY) -m pytest -m "slow and not gpu" $(ARGS)
+
+test-gpu: $(STAMP) ## the CUDA tests (needs a GPU)
+	$(PY) -m pytest -m gpu $(ARGS)
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .
