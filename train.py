@@ -13,7 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from llm.config import register_configs, to_dataclass
-from llm.errors import CheckpointError, ConfigError, DataError, TrainingError
+from llm.errors import LabError
 
 register_configs()
 
@@ -32,7 +32,7 @@ def main(dict_cfg: DictConfig) -> float | None:
         env = external_rank_env()
         validate(cfg, world_size=env.world_size if env else None)
         summary = launch(cfg)
-    except (ConfigError, DataError, CheckpointError, TrainingError) as exc:
+    except LabError as exc:
         # One line naming the problem and the fix, not a traceback.
         raise SystemExit(f"error: {exc}") from None
     # Returned for sweepers (e.g. Optuna) that minimise the objective.

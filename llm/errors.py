@@ -1,17 +1,21 @@
 """Errors that carry one line naming the problem and the fix; train.py prints them without a traceback."""
 
 
-class ConfigError(ValueError):
+class LabError(Exception):
+    """Base of our one-line errors: entry points print them without a traceback."""
+
+
+class ConfigError(LabError, ValueError):
     """An impossible or inconsistent configuration, found before any work starts."""
 
 
-class DataError(RuntimeError):
+class DataError(LabError, RuntimeError):
     """A corpus, file or tokenizer that cannot be loaded as asked."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(LabError, RuntimeError):
     """A checkpoint that is missing, corrupt, or does not match the run."""
 
 
-class TrainingError(RuntimeError):
+class TrainingError(LabError, RuntimeError):
     """Training cannot go on (a NaN loss, say); the message says why and what to change."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from llm.config import Config
-from llm.errors import ConfigError, TrainingError
+from llm.errors import LabError, TrainingError
 
 REPO = Path(__file__).resolve().parent.parent
 ERRORS_DIR = ".rank_errors"
@@ -175,12 +175,11 @@ def _read_summary(cfg: Config) -> dict:
 
 def _rank_entry(local_rank: int, cfg: Config, world_size: int, addr: str, port: int) -> None:
     from llm import run
-    from llm.errors import CheckpointError, DataError
 
     env = RankEnv(local_rank, local_rank, world_size, addr, port)
     try:
         run.main(cfg, env)
-    except (ConfigError, DataError, CheckpointError, TrainingError) as exc:
+    except LabError as exc:
         # Our errors are one line for the user; the parent re-raises the first one.
         errors = Path(cfg.output_dir) / ERRORS_DIR
         errors.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from llm.data import build_train_loader, build_val_loader, prepare_data
 from llm.errors import ConfigError
 from llm.launch import RankEnv
 from llm.logging import NullLogger, RunLogger
-from llm.models import build_model, flops_per_token, from_hf, materialize, model_args, num_params
+from llm.models import build_model, flops_per_token, from_hf, materialize, num_params
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import resolve_precision
@@ -29,7 +29,7 @@ from llm.recompute import apply_recompute
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import peak_flops
 from llm.train.trainer import Trainer
-from llm.validate import resolve_device
+from llm.validate import model_args_for, resolve_device
 
 REPO = Path(__file__).resolve().parent.parent
 # Keys that name where or how a run is logged, not what it computes.
@@ -97,17 +97,7 @@ def build_model_for(cfg: Config, vocab_size: int):
     if cfg.model.init_from is not None:
         model = from_hf(cfg.model.init_from, attention_backend=cfg.attention.backend)
         return model, model.args, True
-    args = model_args(
-        cfg.model.name,
-        vocab_size=cfg.model.vocab_size or vocab_size,
-        max_seq_len=cfg.model.max_seq_len,
-        d_model=cfg.model.d_model,
-        n_layers=cfg.model.n_layers,
-        n_heads=cfg.model.n_heads,
-        n_kv_heads=cfg.model.n_kv_heads,
-        d_ff=cfg.model.d_ff,
-        dropout=cfg.model.dropout,
-    )
+    args = model_args_for(cfg, vocab_size)
     return build_model(args, attention_backend=cfg.attention.backend), args, False
 
 
@@ -201,7 +191,6 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
         cfg=cfg,
         model=model,
         strategy=strategy,
-        optimizer=optimizer,
         scheduler=scheduler,
         train_loader=train_loader,
         val_loader=val_loader,
@@ -215,7 +204,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
         if checkpointer is not None and (path := checkpointer.resolve(cfg.checkpoint.resume)):
             trainer.resume(path)
         summary = trainer.fit()
-        summary.update(_run_facts(cfg, env, device, summary, args))
+        summary.update(_run_facts(cfg, env, device, summary, args, dims, precision))
         logger.summary(summary)
         return summary
     finally:
@@ -240,16 +229,18 @@ def _gather(value):
     return out
 
 
-def _run_facts(cfg: Config, env: RankEnv, device: torch.device, summary: dict, args) -> dict:
+def _run_facts(
+    cfg: Config, env: RankEnv, device: torch.device, summary: dict, args, dims, precision
+) -> dict:
     return {
         # Per-rank figures are gathered so rank 0's summary holds every rank's.
         "model_state_bytes": _gather(summary["model_state_bytes"]),
         "comm_bytes_per_step": _gather(summary["comm_bytes_per_step"]),
         "peak_memory_bytes": max(_gather(summary["peak_memory_bytes"])),
         "world_size": env.world_size,
-        "dp_size": cfg.parallelism.dp_size if cfg.parallelism.dp_size > 0 else env.world_size,
+        "dp_size": dims.dp_size,
         "strategy": cfg.parallelism.name,
-        "precision": resolve_precision(cfg.precision.name, device).name,
+        "precision": precision.name,
         "model": cfg.model.name,
         "n_params": num_params(args),
         "device": str(device.type),

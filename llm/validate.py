@@ -13,7 +13,7 @@ import torch
 from llm.attention import get_backend
 from llm.config import Config
 from llm.errors import ConfigError
-from llm.models import model_args
+from llm.models import ModelArgs, model_args
 from llm.precision import resolve_precision
 
 
@@ -25,18 +25,26 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device("cuda")
 
 
+def model_args_for(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
+    """The registry shape named by model.name with the config's overrides applied;
+    ``vocab_size`` (the tokenizer's) fills in when model.vocab_size is unset."""
+    m = cfg.model
+    return model_args(
+        m.name,
+        vocab_size=m.vocab_size or vocab_size,
+        max_seq_len=m.max_seq_len,
+        d_model=m.d_model,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        d_ff=m.d_ff,
+        dropout=m.dropout,
+    )
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Refuse impossible combinations. ``world_size`` is known under torchrun/Slurm."""
-    args = model_args(
-        cfg.model.name,
-        vocab_size=cfg.model.vocab_size,
-        max_seq_len=cfg.model.max_seq_len,
-        d_model=cfg.model.d_model,
-        n_layers=cfg.model.n_layers,
-        n_heads=cfg.model.n_heads,
-        n_kv_heads=cfg.model.n_kv_heads,
-        d_ff=cfg.model.d_ff,
-    )
+    args = model_args_for(cfg)
     if cfg.data.seq_len > args.max_seq_len and cfg.model.init_from is None:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds model {cfg.model.name}'s max_seq_len="

@@ -31,9 +31,12 @@ class TrainState:
     last_loss: float | None = None
     last_val_loss: float | None = None
     tokens_per_sec: list[float] = field(default_factory=list)
-    mfus: list[float] = field(default_factory=list)
     comm_per_step: dict[str, int] = field(default_factory=dict)
     comm_steps: int = 0
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: exp of a diverged loss overflows
 
 
 def _all_reduce_sum(values: list, device: torch.device) -> list[float]:
@@ -71,7 +74,6 @@ class Trainer:
         cfg: Config,
         model,
         strategy,
-        optimizer,
         scheduler,
         train_loader,
         val_loader,
@@ -84,7 +86,6 @@ class Trainer:
         self.cfg = cfg
         self.model = model
         self.strategy = strategy
-        self.optimizer = optimizer
         self.scheduler = scheduler
         self.train_loader = train_loader
         self.val_loader = val_loader
@@ -153,8 +154,9 @@ class Trainer:
             loss_sum += loss.detach()  # no .item(): a host sync per micro-batch stalls a GPU
         result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
         self.scheduler.step()
-        # Sampled while gradients exist: what a rank holds at its peak of model state.
-        self.model_state_bytes = self.strategy.memory()
+        if self._logs_at(self.state.step + 1):
+            # Sampled while gradients exist: what a rank holds at its peak of model state.
+            self.model_state_bytes = self.strategy.memory()
         self.strategy.zero_grad()
         (total,) = _all_reduce_sum([loss_sum], self.device)
         return total / max(global_tokens, 1.0), result.grad_norm, stop_votes > 0
@@ -193,7 +195,7 @@ class Trainer:
                 for alert in self.monitor.check(self.state.step, metrics):
                     self.logger.alert(alert)
                 self.logger.advance(self.state.step, loss, self._last_tps())
-                if self.state.step % t.log_every == 0 or self.state.step == 1:
+                if self._logs_at(self.state.step):
                     self.logger.log(self.state.step, self._log_metrics(metrics, timer))
                 if self.state.step % t.eval_every == 0 and self.state.step < t.max_steps:
                     self._eval_and_log()
@@ -208,12 +210,24 @@ class Trainer:
         self.save()
         return self.summary(stopped=self.state.step < t.max_steps)
 
+    def _logs_at(self, step: int) -> bool:
+        """Steps whose metrics are logged: the first, every log_every-th and the last."""
+        t = self.cfg.train
+        return step == 1 or step % t.log_every == 0 or step == (t.stop_at_step or t.max_steps)
+
+    def _mfu(self, tokens_per_sec: float | None) -> float | None:
+        if tokens_per_sec is None:
+            return None
+        # Per GPU: each rank does 1/world of the step's work.
+        per_rank = tokens_per_sec / self.strategy.dims.world_size
+        return mfu(per_rank, self.flops_per_token, self.peak_flops)
+
     def _eval_and_log(self) -> None:
         val_loss = self.evaluate()
         self.state.last_val_loss = val_loss
         self.logger.log(
             self.state.step,
-            {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))},
+            {"val_loss": val_loss, "val_ppl": _perplexity(val_loss)},
         )
 
     def _last_tps(self) -> float | None:
@@ -222,10 +236,6 @@ class Trainer:
     def _account(self, timer: StepTimer, tokens_per_step: int) -> None:
         tps = tokens_per_step / timer.last.step_time_s
         self.state.tokens_per_sec.append(tps)
-        # MFU per GPU: each rank does 1/world of the step's work.
-        value = mfu(tps / self.strategy.dims.world_size, self.flops_per_token, self.peak_flops)
-        if value is not None:
-            self.state.mfus.append(value)
         for kind, sent in self.strategy.comm().items():
             self.state.comm_per_step[kind] = self.state.comm_per_step.get(kind, 0) + sent
         self.state.comm_steps += 1
@@ -236,7 +246,7 @@ class Trainer:
         out["tokens_per_sec"] = self._last_tps()
         out["step_time_s"] = timer.last.step_time_s
         out["data_wait_share"] = timer.last.data_wait_share
-        out["mfu"] = self.state.mfus[-1] if self.state.mfus else None
+        out["mfu"] = self._mfu(self._last_tps())
         out["tokens_seen"] = self.state.tokens_seen
         out["peak_memory_bytes"] = self.peak_memory()
         for kind, value in self.model_state_bytes.items():
@@ -251,6 +261,7 @@ class Trainer:
     def summary(self, stopped: bool) -> dict:
         # Steady-state throughput: drop the first steps (allocator warm-up, compilation).
         tps = self.state.tokens_per_sec[min(3, len(self.state.tokens_per_sec) - 1) :]
+        median_tps = statistics.median(tps) if tps else None
         steps = max(self.state.comm_steps, 1)
         return {
             "steps": self.state.step,
@@ -258,13 +269,13 @@ class Trainer:
             "final_train_loss": self.state.last_loss,
             "final_val_loss": self.state.last_val_loss,
             "final_val_ppl": (
-                math.exp(min(self.state.last_val_loss, 50.0))
+                _perplexity(self.state.last_val_loss)
                 if self.state.last_val_loss is not None
                 else None
             ),
             "tokens_seen": self.state.tokens_seen,
-            "tokens_per_sec": statistics.median(tps) if tps else None,
-            "mfu": statistics.median(self.state.mfus) if self.state.mfus else None,
+            "tokens_per_sec": median_tps,
+            "mfu": self._mfu(median_tps),
             "peak_memory_bytes": self.peak_memory(),
             "model_state_bytes": self.model_state_bytes,
             "comm_bytes_per_step": {k: v / steps for k, v in self.state.comm_per_step.items()},
