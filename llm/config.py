@@ -64,22 +64,42 @@ class AttentionConfig:
     backend: str = "sdpa"  # eager | sdpa (later: flash_attn, triton)
 
 
+STRATEGY_NAMES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed")
+LOSS_SCALER_PRESETS = ("deepspeed", "megatron", "torch")
+
+
 @dataclass
 class ParallelismConfig:
-    name: str = "single"  # single | ddp
+    name: str = "single"  # one of STRATEGY_NAMES
     dp_size: int = -1  # -1: every rank is a data-parallel rank
     tp_size: int = 1
     pp_size: int = 1
-    bucket_cap_mb: float = 25.0  # DDP gradient bucket size
+    # DDP's all-reduce buckets and our ZeRO's reduce-scatter / all-gather buckets.
+    bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
+    zero_stage: int = 0  # parallelism=deepspeed only: its ZeRO stage, 0..3
+    # Optimizer states (and fp32 master weights) in CPU memory, stepped there (ZeRO-Offload):
+    # zero1-3 and deepspeed.
+    offload_optimizer: bool = False
+    # Sharded parameters in CPU memory: fsdp (CPUOffloadPolicy) and deepspeed stage 3.
+    offload_params: bool = False
+    # zero3 and fsdp: gather the next block's parameters while the current one computes.
+    prefetch: bool = True
+    # fsdp: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).
+    reshard_after_forward: bool = True
+    # fsdp: replicas of each shard group (HSDP on a (replicate, shard) mesh); 1 = plain FSDP.
+    replicate: int = 1
+    # deepspeed: a user's ds_config.json; its "auto" values are filled from our config.
+    deepspeed_config: str | None = None
 
     def __post_init__(self) -> None:
-        _require_choice("parallelism", "name", self.name, ("single", "ddp"))
+        _require_choice("parallelism", "name", self.name, STRATEGY_NAMES)
         _require_positive(
             "parallelism",
             tp_size=self.tp_size,
             pp_size=self.pp_size,
             bucket_cap_mb=self.bucket_cap_mb,
+            replicate=self.replicate,
         )
         if self.dp_size == 0 or self.dp_size < -1:
             raise ConfigError(
@@ -89,14 +109,79 @@ class ParallelismConfig:
             raise ConfigError(
                 "parallelism.tp_size/pp_size > 1 is not implemented yet; use tp_size=1 pp_size=1"
             )
+        if not 0 <= self.zero_stage <= 3:
+            raise ConfigError(f"parallelism.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.zero_stage and self.name != "deepspeed":
+            raise ConfigError(
+                f"parallelism.zero_stage={self.zero_stage} applies to parallelism=deepspeed "
+                f"only; use parallelism=zero{self.zero_stage} for our ZeRO"
+            )
+        if self.offload_optimizer and self.name not in ("zero1", "zero2", "zero3", "deepspeed"):
+            raise ConfigError(
+                f"parallelism.offload_optimizer=true needs zero1-3 or deepspeed, not "
+                f"{self.name}; for fsdp use parallelism.offload_params=true"
+            )
+        if self.offload_params and not (
+            self.name == "fsdp" or (self.name == "deepspeed" and self.zero_stage == 3)
+        ):
+            raise ConfigError(
+                "parallelism.offload_params=true needs parallelism=fsdp, or deepspeed with "
+                "zero_stage=3"
+            )
+        if self.replicate > 1 and self.name != "fsdp":
+            raise ConfigError(
+                f"parallelism.replicate={self.replicate} (HSDP) needs parallelism=fsdp"
+            )
+        if self.deepspeed_config is not None and self.name != "deepspeed":
+            raise ConfigError("parallelism.deepspeed_config is read by parallelism=deepspeed only")
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = "auto"  # auto | fp32 | tf32 | bf16
+    name: str = "auto"  # auto | fp32 | tf32 | fp16 | bf16 | bf16_pure | fp8
+    # Dynamic loss scaling (fp16): a preset's defaults (REFERENCE.md), each overridable.
+    loss_scaler: str = "deepspeed"  # deepspeed | megatron | torch
+    static_loss_scale: float = 0.0  # > 0: a fixed scale (as DeepSpeed's loss_scale; 0 = dynamic)
+    initial_scale: float | None = None
+    growth_factor: float | None = None
+    backoff_factor: float | None = None
+    growth_interval: int | None = None
+    hysteresis: int | None = None  # overflows tolerated before backing off (1 = none)
+    consecutive_hysteresis: bool = False  # refill hysteresis after every clean step
+    min_scale: float | None = None
+    # Overflowing steps in a row at the minimum scale (or under a static scale) before the
+    # run stops with an error naming the parameters whose gradients are not finite.
+    max_overflows_at_min_scale: int = 3
+    # bf16_pure: how an update smaller than a bf16 ulp still reaches the weight.
+    update_rounding: str = "stochastic"  # stochastic | kahan
 
     def __post_init__(self) -> None:
-        _require_choice("precision", "name", self.name, ("auto", "fp32", "tf32", "bf16"))
+        _require_choice(
+            "precision",
+            "name",
+            self.name,
+            ("auto", "fp32", "tf32", "fp16", "bf16", "bf16_pure", "fp8"),
+        )
+        _require_choice("precision", "loss_scaler", self.loss_scaler, LOSS_SCALER_PRESETS)
+        _require_choice(
+            "precision", "update_rounding", self.update_rounding, ("stochastic", "kahan")
+        )
+        _require_positive(
+            "precision",
+            initial_scale=self.initial_scale,
+            growth_interval=self.growth_interval,
+            hysteresis=self.hysteresis,
+            min_scale=self.min_scale,
+            max_overflows_at_min_scale=self.max_overflows_at_min_scale,
+        )
+        if self.static_loss_scale < 0:
+            raise ConfigError(
+                f"precision.static_loss_scale={self.static_loss_scale} must be >= 0 (0: dynamic)"
+            )
+        if self.growth_factor is not None and self.growth_factor <= 1:
+            raise ConfigError(f"precision.growth_factor={self.growth_factor} must be > 1")
+        if self.backoff_factor is not None and not 0 < self.backoff_factor < 1:
+            raise ConfigError(f"precision.backoff_factor={self.backoff_factor} must be in (0, 1)")
 
 
 @dataclass

@@ -1,6 +1,10 @@
 """Precision policies: which dtype parameters, compute, gradient reduction and optimizer
-states use. This issue ships fp32, tf32 and bf16 autocast; fp16 with our loss scaler,
-bf16_pure and fp8 come with the model-state-memory work.
+states use, whether losses are scaled, and how bf16-only weights are updated.
+
+Replica strategies (single, ddp) and FSDP keep ``param_dtype`` weights and autocast to
+``compute_dtype``. Our ZeRO and DeepSpeed instead hold 16-bit working weights and gradients
+(``working_dtype``) with ``master_dtype`` copies inside the partitioned optimizer, the
+layout the ZeRO paper's 2+2+12 bytes per parameter assumes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,16 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype  # what gradients are all-reduced in
     optimizer_state_dtype: torch.dtype
     allow_tf32: bool = False
+    master_dtype: torch.dtype = torch.float32  # the weights the optimizer updates
+    loss_scaling: bool = False  # fp16: gradients underflow without a loss scale
+    update_rounding: str | None = None  # bf16_pure: "stochastic" | "kahan"
+    fp8: bool = False  # torchao float8 matmuls inside the compute dtype
+
+    @property
+    def working_dtype(self) -> torch.dtype:
+        """Weights and gradients a ZeRO/DeepSpeed rank computes with: 16-bit under mixed
+        precision (the fp32 master lives in the optimizer), else the parameter dtype."""
+        return self.compute_dtype if self.compute_dtype.itemsize < 4 else self.param_dtype
 
     @property
     def flops_dtype(self) -> torch.dtype | str:
@@ -48,9 +62,11 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
-def resolve_precision(name: str, device: torch.device) -> PrecisionPolicy:
+def resolve_precision(
+    name: str, device: torch.device, update_rounding: str = "stochastic"
+) -> PrecisionPolicy:
     """Turn a precision name into a policy for this device; impossible pairs are refused."""
-    f32 = torch.float32
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     if name == "auto":
         name = "bf16" if bf16_supported(device) else "fp32"
     if name == "fp32":
@@ -61,9 +77,45 @@ def resolve_precision(name: str, device: torch.device) -> PrecisionPolicy:
                 "precision=tf32 needs an NVIDIA GPU (Ampere or newer); use precision=fp32"
             )
         return PrecisionPolicy("tf32", f32, f32, f32, f32, allow_tf32=True)
+    if (
+        name in ("bf16", "bf16_pure", "fp8")
+        and device.type == "cuda"
+        and not bf16_supported(device)
+    ):
+        raise ConfigError(f"precision={name}: this GPU has no bf16; use precision=fp16 or fp32")
+    if name == "fp16":
+        # fp32 master weights, fp16 matmuls, gradients scaled so they do not underflow.
+        return PrecisionPolicy("fp16", f32, f16, f32, f32, allow_tf32=True, loss_scaling=True)
     if name == "bf16":
-        if device.type == "cuda" and not bf16_supported(device):
-            raise ConfigError("precision=bf16: this GPU has no bf16; use precision=fp32")
         # fp32 master weights, gradients reduced in fp32: autocast casts only the compute.
-        return PrecisionPolicy("bf16", f32, torch.bfloat16, f32, f32, allow_tf32=True)
-    raise ConfigError(f"precision={name!r} is unknown; choose one of auto, fp32, tf32, bf16")
+        return PrecisionPolicy("bf16", f32, bf16, f32, f32, allow_tf32=True)
+    if name == "bf16_pure":
+        # No fp32 copy anywhere: the update is rounded so small steps still land.
+        return PrecisionPolicy(
+            "bf16_pure", bf16, bf16, bf16, bf16, master_dtype=bf16, update_rounding=update_rounding
+        )
+    if name == "fp8":
+        require_fp8(device)
+        return PrecisionPolicy("fp8", f32, bf16, f32, f32, allow_tf32=True, fp8=True)
+    raise ConfigError(
+        f"precision={name!r} is unknown; choose one of auto, fp32, tf32, fp16, bf16, bf16_pure, fp8"
+    )
+
+
+def require_fp8(device: torch.device) -> None:
+    """float8 training needs torchao and a GPU with fp8 tensor cores (sm89+: Ada, Hopper)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(
+            "precision=fp8 needs an NVIDIA GPU with fp8 tensor cores (sm89+, e.g. H100); "
+            "use precision=bf16"
+        )
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, policy: PrecisionPolicy):
+    """The optimizer as the policy needs it: unchanged, except under bf16_pure, where the
+    update is applied with stochastic rounding or Kahan compensation."""
+    if policy.update_rounding is None:
+        return optimizer
+    from llm.bf16_update import RoundedUpdate
+
+    return RoundedUpdate(optimizer, policy.update_rounding)

@@ -21,6 +21,7 @@ from llm.data import build_train_loader, build_val_loader, prepare_data
 from llm.errors import ConfigError
 from llm.launch import RankEnv
 from llm.logging import NullLogger, RunLogger
+from llm.loss_scale import build_loss_scaler
 from llm.models import build_model, flops_per_token, from_hf, materialize, num_params
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
@@ -127,7 +128,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     torch.manual_seed(cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
-    precision = resolve_precision(cfg.precision.name, device)
+    precision = resolve_precision(cfg.precision.name, device, cfg.precision.update_rounding)
     precision.apply_backend_flags()
     dims = ParallelDims.from_config(
         cfg.parallelism.dp_size,
@@ -150,7 +151,8 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     model = apply_recompute(model, cfg.recompute)
     # A Hugging Face checkpoint arrives with its weights; a registry model is still on meta.
     model = model.to(device) if loaded else materialize(model, device, cfg.train.seed)
-    strategy = build_strategy(cfg.parallelism, dims, precision, device)
+    scaler = build_loss_scaler(cfg.precision, precision.loss_scaling)
+    strategy = build_strategy(cfg.parallelism, dims, precision, device, scaler)
     model = strategy.wrap(model)
     if cfg.train.compile:
         model = torch.compile(model)

@@ -21,6 +21,7 @@ from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
+from llm.loss_scale import LossScaler
 from llm.parallel.mesh import ParallelDims
 from llm.precision import PrecisionPolicy
 
@@ -69,7 +70,11 @@ def register_strategy(name: str):
 
 
 def build_strategy(
-    cfg: ParallelismConfig, dims: ParallelDims, precision: PrecisionPolicy, device: torch.device
+    cfg: ParallelismConfig,
+    dims: ParallelDims,
+    precision: PrecisionPolicy,
+    device: torch.device,
+    loss_scaler: LossScaler | None = None,
 ) -> Strategy:
     # Importing the modules registers them; done here so mesh/strategy stay import-light.
     from llm.parallel import ddp, single  # noqa: F401
@@ -78,4 +83,4 @@ def build_strategy(
         raise ConfigError(
             f"parallelism={cfg.name!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}"
         )
-    return STRATEGIES[cfg.name](cfg, dims, precision, device)
+    return STRATEGIES[cfg.name](cfg, dims, precision, device, loss_scaler)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from llm.config import Config
 from llm.data import IGNORE
+from llm.parallel.strategy import StepResult
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import (
     StepTimer,
@@ -33,6 +34,7 @@ class TrainState:
     tokens_per_sec: list[float] = field(default_factory=list)
     comm_per_step: dict[str, int] = field(default_factory=dict)
     comm_steps: int = 0
+    skipped_steps: int = 0  # overflowing steps the strategy did not apply
 
 
 def _perplexity(loss: float) -> float:
@@ -104,6 +106,7 @@ class Trainer:
         return {
             "step": self.state.step,
             "tokens_seen": self.state.tokens_seen,
+            "skipped_steps": self.state.skipped_steps,
             "scheduler": self.scheduler.state_dict(),
             "data": self.train_loader.state_dict(),
         }
@@ -112,6 +115,7 @@ class Trainer:
         saved = self.checkpointer.load(path, self.strategy)
         self.state.step = saved["step"]
         self.state.tokens_seen = saved["tokens_seen"]
+        self.state.skipped_steps = saved.get("skipped_steps", 0)
         self.scheduler.load_state_dict(saved["scheduler"])
         self.train_loader.load_state_dict(saved["data"])
         self.logger.info(f"resumed from {path} at step {self.state.step}")
@@ -129,9 +133,9 @@ class Trainer:
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
         )
 
-    def train_step(self, timer: StepTimer, stop: StopRequested) -> tuple[float, float, bool]:
-        """One optimizer step over grad_accum_steps micro-batches. Returns (loss, grad norm,
-        stop requested on any rank)."""
+    def train_step(self, timer: StepTimer, stop: StopRequested) -> tuple[float, StepResult, bool]:
+        """One optimizer step over grad_accum_steps micro-batches. Returns (loss, the
+        strategy's step result, stop requested on any rank)."""
         with timer.data():
             batches = [next(self.train_loader) for _ in range(self.cfg.train.grad_accum_steps)]
         # Counted on the host copies: no device sync before the forward.
@@ -159,7 +163,7 @@ class Trainer:
             self.model_state_bytes = self.strategy.memory()
         self.strategy.zero_grad()
         (total,) = _all_reduce_sum([loss_sum], self.device)
-        return total / max(global_tokens, 1.0), result.grad_norm, stop_votes > 0
+        return total / max(global_tokens, 1.0), result, stop_votes > 0
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -186,12 +190,19 @@ class Trainer:
         with StopRequested() as stop:
             while self.state.step < last:
                 with timer.step():
-                    loss, grad_norm, stop_now = self.train_step(timer, stop)
+                    loss, result, stop_now = self.train_step(timer, stop)
                 self.state.step += 1
                 self.state.tokens_seen += tokens_per_step
                 self.state.last_loss = loss
                 self._account(timer, tokens_per_step)
-                metrics = {"loss": loss, "grad_norm": grad_norm}
+                self.state.skipped_steps += result.skipped
+                metrics = {
+                    "loss": loss,
+                    "grad_norm": result.grad_norm,
+                    "loss_scale": result.loss_scale,
+                    "skipped": result.skipped,
+                    "skipped_steps": self.state.skipped_steps,
+                }
                 for alert in self.monitor.check(self.state.step, metrics):
                     self.logger.alert(alert)
                 self.logger.advance(self.state.step, loss, self._last_tps())
@@ -274,6 +285,7 @@ class Trainer:
                 else None
             ),
             "tokens_seen": self.state.tokens_seen,
+            "skipped_steps": self.state.skipped_steps,
             "tokens_per_sec": median_tps,
             "mfu": self._mfu(median_tps),
             "peak_memory_bytes": self.peak_memory(),
