@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from llm.config import Config, register_configs, to_dataclass
+from llm.launch import launch
+from llm.validate import validate
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -51,3 +55,32 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def train_losses(output_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(output_dir) if "loss" in m}
+
+
+def run(tmp_path, name, text_corpus, cache_dir, *extra):
+    """Validate and launch a small run (ranks spawned as train.py would); returns
+    (summary, output directory)."""
+    out = tmp_path / name
+    cfg = compose_config(small_run_overrides(out, text_corpus, cache_dir, *extra))
+    validate(cfg)
+    return launch(cfg), out
+
+
+def final_weights(out):
+    """The model weights of a run's last checkpoint, read back with DCP."""
+    ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]
+    reader = dcp.FileSystemReader(str(ckpt))
+    meta = reader.read_metadata()
+    state = {
+        k: torch.empty(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    dcp.load(state, storage_reader=reader)
+    return state
+
+
+def assert_close_weights(a, b, rtol, atol):
+    assert a.keys() == b.keys() and a
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)

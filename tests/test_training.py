@@ -6,39 +6,16 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
-from helpers import compose_config, small_run_overrides, train_losses
+from helpers import (
+    assert_close_weights,
+    compose_config,
+    final_weights,
+    run,
+    small_run_overrides,
+    train_losses,
+)
 
 from llm.launch import launch
-from llm.validate import validate
-
-
-def run(tmp_path, name, text_corpus, cache_dir, *extra):
-    out = tmp_path / name
-    cfg = compose_config(small_run_overrides(out, text_corpus, cache_dir, *extra))
-    validate(cfg)
-    return launch(cfg), out
-
-
-def final_weights(out):
-    """The model weights of a run's last checkpoint, read back with DCP."""
-    ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]
-    reader = dcp.FileSystemReader(str(ckpt))
-    meta = reader.read_metadata()
-    state = {
-        k: torch.empty(v.size)
-        for k, v in meta.state_dict_metadata.items()
-        if k.startswith("model.") and hasattr(v, "size")
-    }
-    dcp.load(state, storage_reader=reader)
-    return state
-
-
-def assert_close_weights(a, b, rtol, atol):
-    assert a.keys() == b.keys() and a
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)
 
 
 def test_accumulation_equals_large_batch_with_unequal_documents(tmp_path, line_docs, cache_dir):

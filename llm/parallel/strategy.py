@@ -11,6 +11,7 @@ scales each rank's summed loss by dp_size / (target tokens in the global batch).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -59,6 +60,15 @@ class Strategy(Protocol):
 
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {}
+STRATEGY_MODULES = {
+    "single": "llm.parallel.single",
+    "ddp": "llm.parallel.ddp",
+    "zero1": "llm.parallel.zero",
+    "zero2": "llm.parallel.zero",
+    "zero3": "llm.parallel.zero",
+    "fsdp": "llm.parallel.fsdp",
+    "deepspeed": "llm.parallel.deepspeed",
+}
 
 
 def register_strategy(name: str):
@@ -76,9 +86,10 @@ def build_strategy(
     device: torch.device,
     loss_scaler: LossScaler | None = None,
 ) -> Strategy:
-    # Importing the modules registers them; done here so mesh/strategy stay import-light.
-    from llm.parallel import ddp, single  # noqa: F401
-
+    if cfg.name in STRATEGY_MODULES:
+        # Importing a module registers its strategies; only the chosen one is imported, so
+        # a DDP run never pays for importing DeepSpeed.
+        importlib.import_module(STRATEGY_MODULES[cfg.name])
     if cfg.name not in STRATEGIES:
         raise ConfigError(
             f"parallelism={cfg.name!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}"
