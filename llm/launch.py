@@ -102,6 +102,12 @@ def set_cache_dirs(root: Path = REPO / ".cache") -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
 
 
+def export_local_rank(env: RankEnv) -> None:
+    """Set LOCAL_RANK as torchrun and the deepspeed launcher do for the ranks we start:
+    DeepSpeed refuses to build an engine without it and places work on that device."""
+    os.environ["LOCAL_RANK"] = str(env.local_rank)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,7 +138,9 @@ def launch(cfg: Config) -> dict:
     prepare_data(cfg.data)
     n = cfg.launcher.nproc_per_node
     if n == 1:
-        return run.main(cfg, RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port()))
+        env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port())
+        export_local_rank(env)
+        return run.main(cfg, env)
     return _spawn(cfg, n)
 
 
@@ -177,6 +185,7 @@ def _rank_entry(local_rank: int, cfg: Config, world_size: int, addr: str, port: 
     from llm import run
 
     env = RankEnv(local_rank, local_rank, world_size, addr, port)
+    export_local_rank(env)
     try:
         run.main(cfg, env)
     except LabError as exc:

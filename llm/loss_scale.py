@@ -22,7 +22,8 @@ import torch
 from llm.config import PrecisionConfig
 
 # REFERENCE.md, "Dynamic loss-scaler defaults". torch's GradScaler has no hysteresis and no
-# floor; min_scale 0 means none.
+# floor; min_scale 0 means none. growth_offset is no config field: it is how each library
+# counts, and a preset is only faithful with its own (see LossScalerSettings).
 PRESETS: dict[str, dict[str, float]] = {
     "deepspeed": dict(
         initial_scale=2.0**16,
@@ -31,6 +32,7 @@ PRESETS: dict[str, dict[str, float]] = {
         growth_interval=1000,
         hysteresis=2,
         min_scale=1.0,
+        growth_offset=1,
     ),
     "megatron": dict(
         initial_scale=2.0**32,
@@ -59,6 +61,10 @@ class LossScalerSettings:
     growth_interval: int = 1000
     hysteresis: int = 1
     min_scale: float = 0.0
+    # Clean steps after the start or an overflow before the growth window starts counting.
+    # DeepSpeed grows when (steps since the last overflow - 1) is a positive multiple of
+    # the window, one step later than Megatron-LM and torch's GradScaler (offset 0).
+    growth_offset: int = 0
     consecutive_hysteresis: bool = False
     dynamic: bool = True
     max_overflows_at_min_scale: int = 3
@@ -67,7 +73,7 @@ class LossScalerSettings:
     def from_config(cls, cfg: PrecisionConfig) -> LossScalerSettings:
         preset = PRESETS[cfg.loss_scaler]
         chosen = {
-            k: getattr(cfg, k) if getattr(cfg, k) is not None else v for k, v in preset.items()
+            k: v if getattr(cfg, k, None) is None else getattr(cfg, k) for k, v in preset.items()
         }
         if cfg.static_loss_scale > 0:
             chosen["initial_scale"] = cfg.static_loss_scale
@@ -86,7 +92,7 @@ class LossScaler:
         self.settings = settings
         self.enabled = enabled
         self.scale = float(self.settings.initial_scale)
-        self._growth_tracker = 0
+        self._growth_tracker = 0  # clean steps since the start or the last overflow
         self._hysteresis_left = self.settings.hysteresis
         self.overflows_at_min_scale = 0  # consecutive
         self.skipped_steps = 0
@@ -123,8 +129,8 @@ class LossScaler:
         if s.consecutive_hysteresis:
             self._hysteresis_left = s.hysteresis
         self._growth_tracker += 1
-        if self._growth_tracker == s.growth_interval:
-            self._growth_tracker = 0
+        counted = self._growth_tracker - s.growth_offset
+        if counted > 0 and counted % s.growth_interval == 0:
             self._hysteresis_left = s.hysteresis
             self.scale *= s.growth_factor
 

@@ -10,9 +10,11 @@ layout the ZeRO paper's 2+2+12 bytes per parameter assumes.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from llm.errors import ConfigError
 
@@ -109,6 +111,35 @@ def require_fp8(device: torch.device) -> None:
             "precision=fp8 needs an NVIDIA GPU with fp8 tensor cores (sm89+, e.g. H100); "
             "use precision=bf16"
         )
+    # find_spec, not import: torchao's import loads CUDA extensions, slow and noisy.
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("precision=fp8 needs torchao for float8 training: pip install torchao")
+
+
+def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
+    """The model in the policy's parameter dtype (bf16 under bf16_pure: no fp32 copy
+    exists), with float8 linears under fp8. Safe on the meta device, before weights exist."""
+    return apply_fp8(model.to(policy.param_dtype), policy)
+
+
+def apply_fp8(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
+    """Swap nn.Linear layers for torchao's Float8Linear (dynamic per-tensor scales) when
+    the policy says fp8; a no-op otherwise.
+
+    As torchtitan does, the output head stays in high precision (the logits feed a softmax
+    over the whole vocabulary and are the most sensitive to quantisation), and so does any
+    linear whose dimensions are not multiples of 16, which fp8 tensor cores require.
+    """
+    if not policy.fp8:
+        return model
+    from torchao.float8 import convert_to_float8_training
+
+    return convert_to_float8_training(model, module_filter_fn=_fp8_eligible)
+
+
+def _fp8_eligible(module: nn.Module, fqn: str) -> bool:
+    out_features, in_features = module.weight.shape
+    return fqn != "output" and out_features % 16 == 0 and in_features % 16 == 0
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, policy: PrecisionPolicy):

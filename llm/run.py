@@ -25,7 +25,7 @@ from llm.loss_scale import build_loss_scaler
 from llm.models import build_model, flops_per_token, from_hf, materialize, num_params
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
-from llm.precision import resolve_precision
+from llm.precision import apply_precision, resolve_precision
 from llm.recompute import apply_recompute
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import peak_flops
@@ -149,10 +149,11 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     # Fixed order (torchtitan): recompute wraps blocks before the strategy wraps the model,
     # and weights are materialised last, so large shapes never exist unsharded.
     model = apply_recompute(model, cfg.recompute)
+    model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears
     # A Hugging Face checkpoint arrives with its weights; a registry model is still on meta.
     model = model.to(device) if loaded else materialize(model, device, cfg.train.seed)
     scaler = build_loss_scaler(cfg.precision, precision.loss_scaling)
-    strategy = build_strategy(cfg.parallelism, dims, precision, device, scaler)
+    strategy = build_strategy(cfg.parallelism, dims, precision, device, scaler, run_config=cfg)
     model = strategy.wrap(model)
     if cfg.train.compile:
         model = torch.compile(model)

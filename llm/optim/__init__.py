@@ -1,6 +1,12 @@
 """Optimizers by name (a registry later issues extend) and learning-rate schedules."""
 
-from llm.optim.factory import OPTIMIZERS, build_optimizer, param_groups, register_optimizer
+from llm.optim.factory import (
+    OPTIMIZERS,
+    build_optimizer,
+    optimizer_for_groups,
+    param_groups,
+    register_optimizer,
+)
 from llm.optim.schedule import SCHEDULES, build_scheduler, lr_multiplier
 
 __all__ = [
@@ -9,6 +15,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "lr_multiplier",
+    "optimizer_for_groups",
     "param_groups",
     "register_optimizer",
 ]

@@ -54,11 +54,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The optimizer ``cfg.name`` over ``model``'s trainable params, split by :func:`param_groups`."""
+    return optimizer_for_groups(param_groups(model, cfg.weight_decay), cfg)
+
+
+def optimizer_for_groups(
+    groups: list[dict[str, Any]], cfg: OptimizerConfig
+) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.name`` over ready-made param groups (ZeRO passes shard pieces)."""
     if cfg.name not in OPTIMIZERS:
         raise ConfigError(
             f"optimizer.name={cfg.name!r} is unknown; choose one of {', '.join(sorted(OPTIMIZERS))}"
         )
-    groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError(
             "the model has no parameters with requires_grad=True; nothing to optimize"

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from llm.config import OptimizerConfig, ParallelismConfig
+from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
 from llm.loss_scale import LossScaler
 from llm.parallel.mesh import ParallelDims
@@ -85,6 +85,7 @@ def build_strategy(
     precision: PrecisionPolicy,
     device: torch.device,
     loss_scaler: LossScaler | None = None,
+    run_config: Config | None = None,
 ) -> Strategy:
     if cfg.name in STRATEGY_MODULES:
         # Importing a module registers its strategies; only the chosen one is imported, so
@@ -94,4 +95,8 @@ def build_strategy(
         raise ConfigError(
             f"parallelism={cfg.name!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}"
         )
-    return STRATEGIES[cfg.name](cfg, dims, precision, device, loss_scaler)
+    strategy = STRATEGIES[cfg.name]
+    if getattr(strategy, "needs_run_config", False):
+        # DeepSpeed builds its engine from batch sizes, clipping and optimizer settings too.
+        return strategy(cfg, dims, precision, device, loss_scaler, run_config=run_config)
+    return strategy(cfg, dims, precision, device, loss_scaler)

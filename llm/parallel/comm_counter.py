@@ -1,0 +1,88 @@
+"""Count the bytes of collectives that a library issues itself (FSDP2 here), per kind.
+
+Payload convention, shared with ddp.py's count: the full-size tensor each collective works
+on, per rank: the all-gather OUTPUT, the reduce-scatter INPUT, the all-reduce buffer. A ring
+implementation sends (N-1)/N of that payload per rank for all-gather and reduce-scatter and
+2(N-1)/N for all-reduce, N being the size of the group the collective runs on.
+
+How FSDP2 (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``) can be
+counted without patching ``torch.distributed``:
+- parameter all-gathers and gradient reduce-scatters go through pluggable comm objects
+  (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``); the counting ones
+  below record the payload and then make the same ``dist.*_single`` calls as FSDP2's
+  defaults, allocating their buffers the same way (``torch.empty``);
+- HSDP's all-reduce across replicas is a plain ``dist.all_reduce`` inside FSDP2, after which
+  FSDP2 calls the module's ``set_all_reduce_hook`` hook with the all-reduced buffer. In plain
+  FSDP that hook sees the reduce-scatter output instead, so it is installed for HSDP only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+# The interfaces set_custom_all_gather/_reduce_scatter take; torch 2.13 exports them nowhere else.
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+
+class CommCounter:
+    """Payload bytes per collective kind since the last ``take()``."""
+
+    def __init__(self) -> None:
+        self._sent: Counter[str] = Counter()
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self._sent[kind] += tensor.numel() * tensor.element_size()
+
+    def take(self) -> dict[str, int]:
+        sent, self._sent = dict(self._sent), Counter()
+        return sent
+
+    def all_reduce_hook(self, buffer: torch.Tensor) -> None:
+        self.add("all_reduce", buffer)
+
+
+def _empty(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountingAllGather(AllGather):
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+
+    def allocate(self, size, *, dtype, device):
+        return _empty(size, dtype, device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.counter.add("all_gather", output_tensor)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CountingReduceScatter(ReduceScatter):
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+
+    def allocate(self, size, *, dtype, device):
+        return _empty(size, dtype, device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.counter.add("reduce_scatter", input_tensor)
+        return dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
+        )
+
+
+def count_fsdp_collectives(model: nn.Module, counter: CommCounter, hsdp: bool) -> None:
+    """Route every FSDP2 module's collectives in ``model`` through ``counter``."""
+    all_gather, reduce_scatter = CountingAllGather(counter), CountingReduceScatter(counter)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
+            if hsdp:
+                module.set_all_reduce_hook(counter.all_reduce_hook)

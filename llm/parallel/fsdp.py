@@ -1,0 +1,151 @@
+"""Fully sharded data parallel with torch's FSDP2 (``fully_shard`` on each transformer block,
+then on the root for the rest): every parameter is a DTensor of which each rank holds 1/N
+(dim 0, padded to a multiple of N). A block's parameters are all-gathered just before it runs
+and its gradients reduce-scattered (averaged) right after its backward, so each rank keeps
+1/N of parameters, gradients and optimizer states; the inherited ``memory()`` counts exactly
+that, as ``storage_bytes`` reads a DTensor's local shard.
+
+``parallelism.reshard_after_forward`` true frees gathered block parameters after forward and
+gathers them again in backward (ZeRO-3-like: least memory, ~1.5x the bytes moved); false
+keeps them until backward ends (ZeRO-2-like). ``parallelism.replicate > 1`` is HSDP:
+ranks form a (replicate, shard) mesh, parameters are sharded within a row and gradients
+reduce-scattered there, then all-reduced across the replicas.
+
+Under fp16/bf16 the gathered parameters (and thus the compute and activations) are 16-bit
+while the sharded parameters, gradients and optimizer states keep ``param_dtype``; gradients
+are reduced in ``reduce_dtype``. The step routine (norm, overflow, clip) is SingleStrategy's,
+run on local shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from llm.errors import ConfigError
+from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
+from llm.parallel.single import SingleStrategy
+from llm.parallel.strategy import register_strategy
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds; in-place ops on it change the DTensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@register_strategy("fsdp")
+class FSDPStrategy(SingleStrategy):
+    name = "fsdp"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        replicate, dp = self.cfg.replicate, self.dims.dp_size
+        if dp % replicate:
+            raise ConfigError(
+                f"parallelism.replicate={replicate} (HSDP) must divide the {dp} data-parallel "
+                "ranks; change parallelism.replicate or launcher.nproc_per_node"
+            )
+        if self.precision.update_rounding is not None:
+            # bf16_pure's rounded step swaps each param's .data for an fp32 copy; on a DTensor
+            # that changes the wrapper's dtype but not its local shard, so AdamW breaks.
+            raise ConfigError(
+                f"precision={self.precision.name} cannot step FSDP's DTensor shards yet; use "
+                "precision=bf16 (bf16 compute and gathers, fp32 shards) with parallelism=fsdp"
+            )
+        self.counter = CommCounter()
+
+    def _mesh(self) -> DeviceMesh:
+        replicate = self.cfg.replicate
+        if replicate == 1:
+            return init_device_mesh(self.device.type, (self.dims.dp_size,), mesh_dim_names=("dp",))
+        # fully_shard reads a 2-D mesh as (replicate, shard): HSDP.
+        return init_device_mesh(
+            self.device.type,
+            (replicate, self.dims.dp_size // replicate),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+        )
+
+    def _mixed_precision(self) -> MixedPrecisionPolicy:
+        p = self.precision
+        # None keeps the gathered parameters in param_dtype (fp32, bf16_pure).
+        gathered = p.working_dtype if p.working_dtype != p.param_dtype else None
+        return MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=p.reduce_dtype)
+
+    def _offload(self) -> OffloadPolicy:
+        if not self.cfg.offload_params:
+            return OffloadPolicy()
+        # Pinned host memory needs a GPU (a CPU-only torch cannot pin).
+        return CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ConfigError(
+                f"parallelism=fsdp wraps each block of model.layers (an nn.ModuleList); "
+                f"{type(model).__name__} has none, use parallelism=ddp"
+            )
+        shard = {
+            "mesh": self._mesh(),
+            "mp_policy": self._mixed_precision(),
+            "offload_policy": self._offload(),
+        }
+        blocks = list(layers)
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, **shard)
+        # The root (embeddings, final norm, output) is the last to run forward and the first
+        # in backward: resharding it in between would only gather it again at once.
+        fully_shard(model, reshard_after_forward=False, **shard)
+        if self.cfg.prefetch:
+            _prefetch_neighbours(model, blocks)
+        count_fsdp_collectives(model, self.counter, hsdp=self.cfg.replicate > 1)
+        self.model = model
+        return model
+
+    @property
+    def grad_replicas(self) -> int:
+        # Each gradient shard exists once per replica row (HSDP), once in plain FSDP.
+        return self.cfg.replicate
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+
+    def nonfinite_grad_names(self) -> list[str]:
+        return [
+            name
+            for name, p in self.model.named_parameters()
+            if p.grad is not None and not torch.isfinite(_local(p.grad)).all()
+        ]
+
+    @contextlib.contextmanager
+    def micro_batch(self, sync: bool):
+        # Without sync FSDP2 skips the reduce-scatter (and HSDP all-reduce) and accumulates
+        # unsharded gradients, reduced together at the micro-batch that syncs.
+        self.model.set_requires_gradient_sync(sync)
+        yield
+
+    def comm(self) -> dict[str, int]:
+        return self.counter.take()
+
+
+def _prefetch_neighbours(root: FSDPModule, blocks: list[FSDPModule]) -> None:
+    """Gather block i+1 while block i runs forward, and block i-1 during i's backward.
+
+    Without this FSDP2 gathers each block when it starts forward, and in backward prefetches
+    one block by itself (which no public switch turns off); explicit lists issue the forward
+    gathers earlier.
+    """
+    root.set_modules_to_forward_prefetch(blocks[:1])
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+        block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0) : i])

@@ -1,0 +1,99 @@
+"""ZeRO-3 parameter gathering: each transformer block's parameters are all-gathered just
+before its forward and its backward and freed right after, with the next block's gather
+started early (prefetch) so it overlaps the current block's compute.
+
+Units are the transformer blocks plus the root (embeddings, final norm, head). The root is
+used at both ends of the forward, so it stays gathered from the first forward until the
+end of backward (as FSDP2 keeps its root unsharded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llm.parallel.zero.buffers import BucketBuffers
+from llm.parallel.zero.collectives import all_gather
+
+
+class UnitGatherer:
+    def __init__(
+        self,
+        units: list[list[BucketBuffers]],
+        blocks: list[nn.Module],
+        group: dist.ProcessGroup,
+        prefetch: bool,
+        count: Callable[[str, torch.Tensor], None],
+    ) -> None:
+        self.units = units  # units[i] for block i; units[-1] is the root
+        self.blocks = blocks
+        self.group = group
+        self.prefetch = prefetch
+        self.count = count
+        self.pending: dict[int, list] = {}
+        self.root = len(units) - 1
+
+    def install(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self._before_model)
+        model.register_forward_hook(self._after_model)
+        for i, block in enumerate(self.blocks):
+            block.register_forward_pre_hook(lambda m, a, i=i: self._before_block(i))
+            block.register_forward_hook(lambda m, a, out, i=i: self._after_block(i, out))
+
+    # ---- gather / free ----------------------------------------------------------------
+    def gather(self, unit: int, wait: bool = True) -> None:
+        if unit not in self.pending and not self.units[unit][0].gathered:
+            works = []
+            for buf in self.units[unit]:
+                buf.refill()
+                works.append(all_gather(buf.full, buf.shard, self.group, async_op=True))
+                self.count("all_gather", buf.full)
+            self.pending[unit] = works
+        if wait:
+            for work in self.pending.pop(unit, []):
+                work.wait()
+
+    def free(self, unit: int) -> None:
+        if unit in self.pending:  # never free storage a collective is still writing
+            self.gather(unit)
+        for buf in self.units[unit]:
+            buf.free()
+
+    def free_all(self) -> None:
+        for unit in range(len(self.units)):
+            self.free(unit)
+
+    # ---- hooks ------------------------------------------------------------------------
+    def _before_model(self, module, args) -> None:
+        self.gather(self.root)
+        if self.prefetch and self.blocks:
+            self.gather(0, wait=False)
+
+    def _after_model(self, module, args, out) -> None:
+        if not torch.is_grad_enabled():  # evaluation: no backward will free it
+            self.free(self.root)
+
+    def _before_block(self, i: int) -> None:
+        self.gather(i)
+        if self.prefetch and i + 1 < len(self.blocks):
+            self.gather(i + 1, wait=False)
+
+    def _after_block(self, i: int, out) -> None:
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            # The gradient w.r.t. the block's output arrives just before the block's own
+            # backward (and before a recompute wrapper re-runs its forward).
+            out.register_hook(lambda grad, i=i: self._before_block_backward(i))
+        self.free(i)
+
+    def _before_block_backward(self, i: int) -> None:
+        self.gather(i)
+        if self.prefetch and i > 0:
+            self.gather(i - 1, wait=False)
+
+    def unit_done(self, unit: int) -> None:
+        """Every gradient of a block arrived: its parameters are no longer needed."""
+        if unit != self.root:
+            self.free(unit)

@@ -1,0 +1,95 @@
+"""Where every parameter lives in our ZeRO: flat buckets, each split evenly over the
+data-parallel ranks.
+
+Parameters are packed in model order into buckets of about ``bucket_numel`` elements (a
+parameter never straddles two buckets; under stage 3 a bucket never straddles two gather
+units, so one transformer block is gathered as a whole). Each bucket is padded to a
+multiple of the world size N and rank r owns elements [r*S, (r+1)*S) of it, S = padded/N.
+One reduce-scatter per bucket then leaves every rank exactly its own slice of the summed
+gradient, and one all-gather per bucket rebuilds the parameters (Megatron's distributed
+optimizer lays buffers out the same way).
+
+A rank's slice cuts through parameters; the pieces (parameter ∩ slice) are what the
+optimizer steps, so element-wise optimizers need no change, and a piece knows which
+parameter it came from for norm-based ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class Slot:
+    """One parameter inside a bucket: elements [offset, offset + numel)."""
+
+    name: str  # as in the model's state_dict (wrapper prefixes removed)
+    param: nn.Parameter
+    offset: int
+    numel: int
+
+
+@dataclass
+class Piece:
+    """The part of ``slot`` inside this rank's slice: bucket elements [start, stop)."""
+
+    slot: Slot
+    start: int
+    stop: int
+
+    @property
+    def param_range(self) -> tuple[int, int]:
+        """The same elements as offsets into the flattened parameter."""
+        return self.start - self.slot.offset, self.stop - self.slot.offset
+
+
+@dataclass
+class Bucket:
+    index: int
+    unit: int  # the gather unit (stage 3): a transformer block, or the root
+    slots: list[Slot] = field(default_factory=list)
+    numel: int = 0  # before padding
+    padded: int = 0
+    shard: int = 0  # S: elements each rank owns
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard, (rank + 1) * self.shard
+
+    def pieces(self, rank: int) -> list[Piece]:
+        lo, hi = self.shard_range(rank)
+        out = []
+        for slot in self.slots:
+            start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < stop:
+                out.append(Piece(slot, start, stop))
+        return out
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name without wrapper infixes, so checkpoints match other strategies."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def build_buckets(
+    named_params: list[tuple[str, nn.Parameter, int]], bucket_numel: int, world: int
+) -> list[Bucket]:
+    """Pack ``(name, param, unit)`` in order into buckets; a new bucket starts when the
+    current one would pass ``bucket_numel`` or the unit changes."""
+    buckets: list[Bucket] = []
+    for name, param, unit in named_params:
+        current = buckets[-1] if buckets else None
+        if (
+            current is None
+            or current.unit != unit
+            or (current.numel and current.numel + param.numel() > bucket_numel)
+        ):
+            current = Bucket(index=len(buckets), unit=unit)
+            buckets.append(current)
+        current.slots.append(Slot(clean_name(name), param, current.numel, param.numel()))
+        current.numel += param.numel()
+    for bucket in buckets:
+        bucket.shard = -(-bucket.numel // world)
+        bucket.padded = bucket.shard * world
+    return buckets
