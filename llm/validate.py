@@ -52,7 +52,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     get_backend(cfg.attention.backend)
     device = resolve_device(cfg)
-    resolve_precision(cfg.precision.name, device)
+    precision = resolve_precision(cfg.precision.name, device)
 
     nproc = world_size or cfg.launcher.nproc_per_node
     if device.type == "cuda" and world_size is None and nproc > torch.cuda.device_count():
@@ -65,6 +65,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"parallelism=single runs one process but {nproc} ranks were asked for; "
             "use parallelism=ddp or launcher.nproc_per_node=1"
         )
+    _validate_strategy(cfg, nproc, precision)
     if cfg.scheduler.warmup_steps >= cfg.train.max_steps:
         raise ConfigError(
             f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be below "
@@ -79,4 +80,19 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(
             f"model.init_from={cfg.model.init_from} is not a directory; give a local Hugging "
             "Face checkpoint directory (config.json + weights)"
+        )
+
+
+def _validate_strategy(cfg: Config, nproc: int, precision) -> None:
+    name = cfg.parallelism.name
+    if name == "fsdp":
+        from llm.parallel.fsdp import refuse_impossible
+
+        dp = nproc if cfg.parallelism.dp_size == -1 else cfg.parallelism.dp_size
+        refuse_impossible(cfg.parallelism.replicate, dp, precision)
+    if name == "zero3" and cfg.train.compile:
+        raise ConfigError(
+            "parallelism=zero3 with train.compile=true is not supported yet (its per-block "
+            "hooks free and refill parameter storage; untested under compile); use "
+            "train.compile=false, or parallelism=fsdp"
         )

@@ -18,7 +18,7 @@ from llm.models import build_model, materialize, model_args
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import resolve_precision
 
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 
 
 def _free_port() -> int:

@@ -37,11 +37,29 @@ from llm.errors import ConfigError
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
+from llm.precision import PrecisionPolicy
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds; in-place ops on it change the DTensor."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def refuse_impossible(replicate: int, dp_size: int, precision: PrecisionPolicy) -> None:
+    """Setups FSDP cannot run, refused by llm.validate before any rank starts (and here,
+    for callers that build the strategy directly)."""
+    if dp_size % replicate:
+        raise ConfigError(
+            f"parallelism.replicate={replicate} (HSDP) must divide the {dp_size} data-parallel "
+            "ranks; change parallelism.replicate or launcher.nproc_per_node"
+        )
+    if precision.update_rounding is not None:
+        # bf16_pure's rounded step swaps each param's .data for an fp32 copy; on a DTensor
+        # that changes the wrapper's dtype but not its local shard, so AdamW breaks.
+        raise ConfigError(
+            f"precision={precision.name} cannot step FSDP's DTensor shards yet; use "
+            "precision=bf16 (bf16 compute and gathers, fp32 shards) with parallelism=fsdp"
+        )
 
 
 @register_strategy("fsdp")
@@ -50,19 +68,7 @@ class FSDPStrategy(SingleStrategy):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        replicate, dp = self.cfg.replicate, self.dims.dp_size
-        if dp % replicate:
-            raise ConfigError(
-                f"parallelism.replicate={replicate} (HSDP) must divide the {dp} data-parallel "
-                "ranks; change parallelism.replicate or launcher.nproc_per_node"
-            )
-        if self.precision.update_rounding is not None:
-            # bf16_pure's rounded step swaps each param's .data for an fp32 copy; on a DTensor
-            # that changes the wrapper's dtype but not its local shard, so AdamW breaks.
-            raise ConfigError(
-                f"precision={self.precision.name} cannot step FSDP's DTensor shards yet; use "
-                "precision=bf16 (bf16 compute and gathers, fp32 shards) with parallelism=fsdp"
-            )
+        refuse_impossible(self.cfg.replicate, self.dims.dp_size, self.precision)
         self.counter = CommCounter()
 
     def _mesh(self) -> DeviceMesh:

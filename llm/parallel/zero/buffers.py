@@ -83,15 +83,18 @@ class BucketBuffers:
     def take_grad(self, slot) -> None:
         """Stage 2/3: move a parameter's fresh gradient into the bucket and drop it."""
         if self.grad_full is None:
-            self.grad_full = torch.empty_like(self.full)
-            self.grad_full[self.bucket.numel :].zero_()  # padding reduces to zero
-        view = self.grad_full[slot.offset : slot.offset + slot.numel]
-        grad = slot.param.grad
-        if grad is None:  # unused in this backward: contributes zero
-            view.zero_()
-        else:
-            view.copy_(grad.flatten())
-            slot.param.grad = None
+            # Zeros: padding, and parameters unused in this backward, reduce to zero.
+            self.grad_full = torch.zeros_like(self.full)
+        self.grad_full[slot.offset : slot.offset + slot.numel].copy_(slot.param.grad.flatten())
+        slot.param.grad = None
+
+    def take_remaining_grads(self) -> None:
+        """Before reducing a bucket some of whose parameters got no gradient."""
+        for slot in self.bucket.slots:
+            if slot.param.grad is not None:
+                self.take_grad(slot)
+        if self.grad_full is None:
+            self.grad_full = torch.zeros_like(self.full)
 
     def master_grad(self) -> torch.Tensor:
         """The shard's gradient as the optimizer needs it (fp32, on the master's device)."""

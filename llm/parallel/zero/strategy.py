@@ -94,10 +94,9 @@ class ZeroStrategy(SingleStrategy):
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         # The factory's groups (weight decay or not, per parameter) carried over to pieces.
-        group_of = {
-            p: i for i, g in enumerate(param_groups(model, cfg.weight_decay)) for p in g["params"]
-        }
-        groups = [{**g, "params": []} for g in param_groups(model, cfg.weight_decay)]
+        factory_groups = param_groups(model, cfg.weight_decay)
+        group_of = {p: i for i, g in enumerate(factory_groups) for p in g["params"]}
+        groups = [{**g, "params": []} for g in factory_groups]
         self._piece_params = []
         for buf in self.buffers:
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
@@ -150,9 +149,7 @@ class ZeroStrategy(SingleStrategy):
             for buf in self.buffers:  # buckets with unused parameters: reduce what exists
                 if not buf.launched:
                     if self.stage >= 2:
-                        for slot in buf.bucket.slots:
-                            if slot.param.grad is not None or buf.grad_full is None:
-                                buf.take_grad(slot)
+                        buf.take_remaining_grads()
                     self._reduce_scatter(buf)
         for buf, out, work in self._pending:
             work.wait()
@@ -202,7 +199,8 @@ class ZeroStrategy(SingleStrategy):
 
     def zero_grad(self) -> None:
         for buf in self.buffers:
-            buf.grad_shard.zero_() if buf.grad_full is None else buf.grad_full.zero_()
+            # Stage 1's full buffer holds the shard too; stages 2-3 keep only the shard.
+            (buf.grad_full if self.stage == 1 else buf.grad_shard).zero_()
         for _, tensor in self._piece_params:
             tensor.grad = None
         self._master_grads = []
