@@ -7,6 +7,8 @@ llm/launch.py runs it (spawning local ranks, or as one rank of torchrun / Slurm 
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -40,4 +42,8 @@ def main(dict_cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    from llm.launch import strip_launcher_args
+
+    # The deepspeed launcher appends --local_rank=N, which Hydra would reject as an override.
+    sys.argv = strip_launcher_args(sys.argv)
     main()

@@ -102,6 +102,20 @@ def set_cache_dirs(root: Path = REPO / ".cache") -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
 
 
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """Drop ``--local_rank=N`` / ``--local_rank N`` that the deepspeed launcher appends; the
+    same rank arrives in the LOCAL_RANK variable, which external_rank_env reads."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--local_rank":
+            skip = True
+        elif not arg.startswith("--local_rank="):
+            out.append(arg)
+    return out
+
+
 def export_local_rank(env: RankEnv) -> None:
     """Set LOCAL_RANK as torchrun and the deepspeed launcher do for the ranks we start:
     DeepSpeed refuses to build an engine without it and places work on that device."""

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from helpers import read_metrics
 
+from llm.launch import strip_launcher_args
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -183,3 +185,8 @@ def test_torchrun_ranks_share_one_run_directory(tmp_path, text_corpus, cache_dir
     assert summary["world_size"] == 2 and len(summary["comm_bytes_per_step"]) == 2
     (checkpoint,) = summary_file.parent.glob("checkpoints/step_000003")
     assert len(list(checkpoint.glob("rng_rank*.pt"))) == 2
+
+
+def test_deepspeed_launcher_rank_argument_is_stripped():
+    argv = ["train.py", "--local_rank=1", "model=gpt2-tiny", "--local_rank", "0", "x=1"]
+    assert strip_launcher_args(argv) == ["train.py", "model=gpt2-tiny", "x=1"]

@@ -1,18 +1,16 @@
-"""parallelism=deepspeed: the ds_config built from our groups (and a user's file with "auto"
-values), ZeRO stages 1-3 on gloo against the single-process reference, what each rank holds
-and sends, and resume across world sizes and ZeRO stages."""
+"""parallelism=deepspeed on gloo: ZeRO stages 0-3 against the single-process reference, what
+each rank holds and sends, resume across world sizes and ZeRO stages, other launchers.
+(The ds_config itself: test_ds_config.py.)"""
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import (
     assert_close_weights,
     compose_config,
@@ -22,174 +20,14 @@ from helpers import (
     train_losses,
 )
 
-from llm.errors import ConfigError
 from llm.launch import launch
-from llm.parallel.ds_checkpoint import blocks
-from llm.parallel.ds_config import build_ds_config
-from llm.precision import resolve_precision
 
 REPO = Path(__file__).resolve().parent.parent
-CPU = torch.device("cpu")
 STEPS = ("train.max_steps=20", "train.log_every=1")
-# A small reduce bucket (13,107 fp32 elements, a tenth of gpt2-tiny): several buckets per
-# backward, so ZeRO-2/3's gradient memory is bucket + partition, not one bucket of everything.
-BUCKET_MB = 0.05
-
-
-def ds_config(*overrides: str, precision: str = "fp32", dp_size: int = 2) -> dict:
-    cfg = compose_config(["output_dir=/tmp/unused", "parallelism=deepspeed", *overrides])
-    return build_ds_config(cfg, dp_size, resolve_precision(precision, CPU), False, d_model=64)
-
-
-def user_file(tmp_path: Path, content) -> str:
-    path = tmp_path / "ds_config.json"
-    path.write_text(content if isinstance(content, str) else json.dumps(content))
-    return f"parallelism.deepspeed_config={path}"
-
-
-# ---- the ds_config ----------------------------------------------------------------------
-def test_generated_config_carries_our_groups():
-    ds = ds_config(
-        "train.micro_batch_size=4",
-        "train.grad_accum_steps=3",
-        "train.grad_clip=0.5",
-        "optimizer.lr=1e-3",
-        "optimizer.weight_decay=0.05",
-        "parallelism.zero_stage=3",
-        "parallelism.bucket_cap_mb=1",
-        "parallelism.offload_optimizer=true",
-        "parallelism.offload_params=true",
-    )
-    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 3
-    assert ds["train_batch_size"] == 4 * 3 * 2 and ds["gradient_clipping"] == 0.5
-    assert ds["optimizer"] == {
-        "type": "AdamW",
-        # Offloaded optimizer states are stepped by DeepSpeed's CPU Adam, not torch's.
-        "params": {
-            "lr": 1e-3,
-            "betas": [0.9, 0.95],
-            "eps": 1e-8,
-            "weight_decay": 0.05,
-            "torch_adam": False,
-        },
-    }
-    zero = ds["zero_optimization"]
-    assert zero["stage"] == 3
-    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 2**20 // 4  # elements
-    assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
-    assert zero["stage3_param_persistence_threshold"] == 640  # Hugging Face's 10 * hidden
-    assert not ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
-    assert ds["comms_logger"]["enabled"]
-    # Optimizers DeepSpeed does not build are handed over as client optimizers.
-    assert "optimizer" not in ds_config("optimizer=sgd")
-
-
-@pytest.mark.parametrize(
-    ("overrides", "expected"),
-    [
-        (
-            (),
-            dict(
-                loss_scale=0,
-                initial_scale_power=16,
-                loss_scale_window=1000,
-                hysteresis=2,
-                min_loss_scale=1,
-            ),
-        ),
-        (("precision.loss_scaler=megatron",), dict(initial_scale_power=32, hysteresis=2)),
-        (
-            ("precision.loss_scaler=torch",),
-            dict(loss_scale_window=2000, hysteresis=1, min_loss_scale=0),
-        ),
-        (("precision.static_loss_scale=128",), dict(loss_scale=128)),
-        (
-            ("precision.hysteresis=4", "precision.consecutive_hysteresis=true"),
-            dict(hysteresis=4, consecutive_hysteresis=True),
-        ),
-    ],
-)
-def test_fp16_section_follows_our_loss_scaler(overrides, expected):
-    fp16 = ds_config("precision=fp16", *overrides, precision="fp16")["fp16"]
-    assert fp16["enabled"] and not ds_config()["fp16"]["enabled"]
-    assert {k: fp16[k] for k in expected} == expected
-
-
-def test_loss_scale_deepspeed_cannot_express_is_refused():
-    with pytest.raises(ConfigError, match="power of two"):
-        ds_config("precision=fp16", "precision.initial_scale=1000", precision="fp16")
-    with pytest.raises(ConfigError, match="doubles and halves"):
-        ds_config("precision=fp16", "precision.growth_factor=4", precision="fp16")
-
-
-def test_user_config_auto_values_are_filled_from_ours():
-    example = REPO / "examples" / "ds_config.json"
-    ds = ds_config(
-        f"parallelism.deepspeed_config={example}",
-        "parallelism.zero_stage=3",
-        "train.micro_batch_size=2",
-        "optimizer.lr=5e-4",
-        precision="bf16",
-    )
-    assert "auto" not in json.dumps(ds)
-    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["train_batch_size"] == 4
-    assert ds["optimizer"]["params"]["lr"] == 5e-4 and ds["bf16"]["enabled"]
-    assert ds["zero_optimization"]["stage"] == 3
-    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 640
-    # The user's own settings are kept; what we measure with is added.
-    assert ds["zero_optimization"]["stage3_max_live_parameters"] == 10**9
-    assert ds["comms_logger"]["enabled"]
-    # Below stage 3 the stage-3 "auto" keys are left out: DeepSpeed's defaults apply.
-    low = ds_config(f"parallelism.deepspeed_config={example}", "parallelism.zero_stage=1")
-    assert "stage3_prefetch_bucket_size" not in low["zero_optimization"]
-
-
-@pytest.mark.parametrize(
-    ("content", "message"),
-    [
-        (
-            {"train_micro_batch_size_per_gpu": 8},
-            "train_micro_batch_size_per_gpu=8 but train.micro_batch_size gives 4",
-        ),
-        (
-            {"zero_optimization": {"stage": 3}},
-            "zero_optimization.stage=3 but parallelism.zero_stage gives 2",
-        ),
-        (
-            {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
-            "optimizer.params.lr=0.1 but optimizer.lr",
-        ),
-        ({"bf16": {"enabled": True}}, "bf16.enabled=True but precision gives False"),
-        ({"scheduler": {"type": "WarmupLR"}}, "scheduler section"),
-        ({"optimizer": {"type": "Lamb"}}, "optimizer.type=Lamb"),
-    ],
-)
-def test_contradicting_user_config_is_refused(tmp_path, content, message):
-    with pytest.raises(ConfigError, match=message) as err:
-        ds_config(user_file(tmp_path, content), "train.micro_batch_size=4")
-    assert "\n" not in str(err.value) and "set such values to" in str(err.value)
-
-
-def test_missing_or_invalid_user_config_is_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
-        ds_config(f"parallelism.deepspeed_config={tmp_path / 'nope.json'}")
-    with pytest.raises(ConfigError, match="is not valid JSON") as err:
-        ds_config(user_file(tmp_path, '{"train_batch_size": '))
-    assert "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize("shape", [(7,), (5, 7), (3, 4, 5)])
-def test_blocks_tile_a_flat_range_in_order(shape):
-    """A rank's flat slice of a parameter becomes rectangles covering exactly that slice."""
-    numel = math.prod(shape)
-    flat = torch.arange(numel).view(shape)
-    for a in range(numel):
-        for b in range(a + 1, numel + 1):
-            pieces = [
-                flat[tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))].reshape(-1)
-                for off, size in blocks(shape, a, b)
-            ]
-            assert torch.equal(torch.cat(pieces), torch.arange(a, b)), (a, b)
+# ZeRO-2 gets a small reduce bucket (13,056 fp32 elements, a tenth of gpt2-tiny): several
+# buckets per backward, so its gradient memory shows as partition + bucket. ZeRO-3 keeps the
+# default: with small buckets its many tiny gathers make the run about 3x longer.
+BUCKET_MB = {1: 0.05, 2: 0.05, 3: 25.0}
 
 
 # ---- against the single-process reference -------------------------------------------------
@@ -208,7 +46,7 @@ def run_deepspeed(tmp_path, text_corpus, cache_dir, stage: int, ranks: int, *ext
         cache_dir,
         "parallelism=deepspeed",
         f"parallelism.zero_stage={stage}",
-        f"parallelism.bucket_cap_mb={BUCKET_MB}",
+        f"parallelism.bucket_cap_mb={BUCKET_MB[stage]}",
         f"launcher.nproc_per_node={ranks}",
         f"train.micro_batch_size={8 // ranks}",
         *STEPS,
@@ -216,7 +54,7 @@ def run_deepspeed(tmp_path, text_corpus, cache_dir, stage: int, ranks: int, *ext
     )
 
 
-def check_against_reference(reference, summary, out) -> None:
+def check_against_reference(reference, out) -> None:
     _, ref_losses, ref_weights = reference
     got = train_losses(out)
     assert sorted(got) == sorted(ref_losses) == list(range(1, 21))
@@ -234,7 +72,7 @@ def test_zero_stage_two_ranks_equals_single_process(
 ):
     summary, out = run_deepspeed(tmp_path, text_corpus, cache_dir, stage, 2)
     assert summary["world_size"] == 2 and summary["strategy"] == "deepspeed"
-    check_against_reference(reference, summary, out)
+    check_against_reference(reference, out)
     check_model_state_and_comm(reference[0], summary, stage, ranks=2)
 
 
@@ -242,7 +80,7 @@ def check_model_state_and_comm(single: dict, summary: dict, stage: int, ranks: i
     """What DeepSpeed really holds and sends, against ZeRO's shapes (fp32 training: the
     working weights are fp32, so P = 4 bytes x parameters = the reference's params bytes)."""
     P = single["model_state_bytes"][0]["params"]
-    bucket = int(BUCKET_MB * 2**20)
+    bucket = int(BUCKET_MB[stage] * 2**20)
     for mem, sent in zip(summary["model_state_bytes"], summary["comm_bytes_per_step"], strict=True):
         # fp32 master partition + exp_avg + exp_avg_sq: 12 bytes x parameters / N, plus the
         # partition padding and the 4-byte step scalars.
@@ -253,19 +91,23 @@ def check_model_state_and_comm(single: dict, summary: dict, stage: int, ranks: i
             assert mem["params"] == pytest.approx(P, rel=1e-3)
             if stage == 1:
                 assert mem["grads"] == P
-            else:
+            else:  # measured: partition + 1.3 to 2.5 buckets (a bucket, and the gradients
+                # of parameters larger than one, the 16k-element embeddings, reduced alone)
                 assert P / ranks <= mem["grads"] <= P / ranks + 3 * bucket
             # One all-reduce of the gradients and one all-gather of the updated weights.
             assert sent["all_reduce"] == pytest.approx(P, rel=1e-3)
             assert sent["all_gather"] == pytest.approx(P, rel=1e-6)
         else:
-            # Partitions of every parameter, plus the small ones kept whole (persistence
-            # threshold 10 * d_model = 640 elements: norms and biases, 1.4% of gpt2-tiny).
-            assert P / ranks <= mem["params"] <= 1.03 * P / ranks
-            assert P / ranks <= mem["grads"] <= P / ranks + 3 * bucket
+            # Partitions of every parameter, plus the small ones kept whole on every rank
+            # (persistence threshold 10 * d_model = 640 elements: norms and biases, 1.35% of
+            # gpt2-tiny's bytes; measured P/N + 7,168 bytes at 2 and 4 ranks).
+            assert P / ranks <= mem["params"] <= P / ranks + 0.02 * P
+            # Its partition of the averaged gradients and the reduce bucket, allocated whole.
+            assert mem["grads"] == pytest.approx(P / ranks + bucket, rel=1e-3)
             assert sent["reduce_scatter"] == pytest.approx(P, rel=1e-6)
-            # Parameters are gathered once per step (DeepSpeed keeps them for the backward of a
-            # model this small: max_reuse_distance), not the ZeRO paper's twice.
+            # Not the ZeRO paper's two gathers per step: after the first step's trace DeepSpeed
+            # keeps a model this small gathered from forward to backward (max_reuse_distance).
+            # Measured over 20 steps: 1.06 P per step (2 P at step 1, then P less persistent).
             assert 0.95 * P <= sent["all_gather"] <= 2 * P
 
 
@@ -275,44 +117,64 @@ def test_zero_stage_four_ranks_equals_single_process(
     tmp_path, text_corpus, cache_dir, reference, stage
 ):
     summary, out = run_deepspeed(tmp_path, text_corpus, cache_dir, stage, 4)
-    check_against_reference(reference, summary, out)
+    check_against_reference(reference, out)
     check_model_state_and_comm(reference[0], summary, stage, ranks=4)
 
 
-def test_resume_across_world_size_and_stage(tmp_path, text_corpus, cache_dir, reference):
-    """Saved by ZeRO-2 on 2 ranks, resumed by ZeRO-3 on 4: the checkpoint holds parameters
-    and Adam moments by name at their own shapes, as every other strategy writes them."""
+def test_accumulation_and_resume_across_world_size_and_stage(
+    tmp_path, text_corpus, cache_dir, reference
+):
+    """ZeRO-1 on 2 ranks accumulating 2 micro-batches of 2, then resumed by ZeRO-3 on 4 ranks
+    with micro-batches of 2: the same global batch of 8 as the reference throughout. The
+    checkpoint holds parameters and Adam moments by name at their own shapes, as every other
+    strategy writes them, so it is independent of world size and stage."""
     out = tmp_path / "resumed"
 
-    def launch_with(stage: int, ranks: int, *extra: str):
-        ds = (f"parallelism.zero_stage={stage}", f"launcher.nproc_per_node={ranks}")
+    def launch_with(*overrides: str) -> dict:
         cfg = compose_config(
             small_run_overrides(
-                out,
-                text_corpus,
-                cache_dir,
-                "parallelism=deepspeed",
-                *ds,
-                f"train.micro_batch_size={8 // ranks}",
-                *STEPS,
-                *extra,
+                out, text_corpus, cache_dir, "parallelism=deepspeed", *STEPS, *overrides
             )
         )
         return launch(cfg)
 
-    assert launch_with(2, 2, "train.stop_at_step=10")["steps"] == 10
-    resumed = launch_with(3, 4)
+    first = launch_with(
+        "parallelism.zero_stage=1",
+        "launcher.nproc_per_node=2",
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=2",
+        "train.stop_at_step=10",
+    )
+    assert first["steps"] == 10
+    # ZeRO-1 reduces once per optimizer step, not once per micro-batch.
+    params = reference[0]["model_state_bytes"][0]["params"]
+    assert first["comm_bytes_per_step"][0]["all_reduce"] == pytest.approx(params, rel=1e-3)
+    resumed = launch_with(
+        "parallelism.zero_stage=3", "launcher.nproc_per_node=4", "train.micro_batch_size=2"
+    )
     assert resumed["steps"] == 20 and resumed["world_size"] == 4
-    check_against_reference(reference, resumed, out)
+    check_against_reference(reference, out)
+
+
+def test_zero_stage_0_one_rank_resumes_in_process(tmp_path, text_corpus, cache_dir, reference):
+    """Stage 0 (DeepSpeed's own data parallel; its optimizer steps the parameters, which are
+    the masters) on one rank in this process, twice: the second engine must not reuse the
+    first one's process groups."""
+    out = tmp_path / "stage0"
+    for extra in ("train.stop_at_step=10",), ():
+        overrides = ("parallelism=deepspeed", "parallelism.zero_stage=0", *STEPS, *extra)
+        cfg = small_run_overrides(
+            out, text_corpus, cache_dir, "train.micro_batch_size=8", *overrides
+        )
+        launch(compose_config(cfg))
+    check_against_reference(reference, out)
 
 
 # ---- started by other launchers -------------------------------------------------------------
 def cli_overrides(corpus: Path, cache: Path) -> list[str]:
-    return [
-        *small_run_overrides(Path("unused"), corpus, cache, "train.max_steps=3"),
-        "parallelism=deepspeed",
-        "parallelism.zero_stage=2",
-    ][1:]  # output_dir: each rank's Hydra run directory, rank 0's wins
+    # Without output_dir: each rank's Hydra makes a run directory and rank 0's is the run's.
+    small = small_run_overrides(Path("unused"), corpus, cache, "train.max_steps=3")
+    return [*small[1:], "parallelism=deepspeed", "parallelism.zero_stage=2"]
 
 
 def single_summary(cwd: Path) -> dict:
@@ -320,7 +182,6 @@ def single_summary(cwd: Path) -> dict:
     return json.loads(summary.read_text())
 
 
-@pytest.mark.slow
 def test_torchrun_environment_starts_deepspeed_ranks(tmp_path, text_corpus, cache_dir):
     """RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* from the launcher, as torchrun sets them."""
     torchrun = Path(sys.executable).parent / "torchrun"
@@ -335,10 +196,10 @@ def test_torchrun_environment_starts_deepspeed_ranks(tmp_path, text_corpus, cach
 
 @pytest.mark.slow
 def test_deepspeed_launcher_on_cpu(tmp_path, text_corpus, cache_dir):
-    """The real `deepspeed --num_gpus 2` runs CPU ranks (its accelerator falls back to CPU).
-    --no_local_rank: it would otherwise append --local_rank=N, which Hydra refuses."""
+    """The real `deepspeed --num_gpus 2` runs CPU ranks (its accelerator falls back to CPU);
+    the --local_rank=N it appends is stripped before Hydra reads the command line."""
     launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
-    cmd = [launcher, "--num_gpus", "2", "--no_local_rank", str(REPO / "train.py")]
+    cmd = [launcher, "--num_gpus", "2", str(REPO / "train.py")]
     cmd += cli_overrides(text_corpus, cache_dir)
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -351,5 +212,5 @@ def test_zero3_offload_equals_single_process(tmp_path, text_corpus, cache_dir, r
     """ZeRO-3 with parameters and optimizer states in CPU memory, stepped by DeepSpeed's CPU
     Adam (JIT-built into TORCH_EXTENSIONS_DIR on first use: minutes on 2 cores)."""
     extra = ("parallelism.offload_optimizer=true", "parallelism.offload_params=true")
-    summary, out = run_deepspeed(tmp_path, text_corpus, cache_dir, 3, 2, *extra)
-    check_against_reference(reference, summary, out)
+    _, out = run_deepspeed(tmp_path, text_corpus, cache_dir, 3, 2, *extra)
+    check_against_reference(reference, out)

@@ -4,6 +4,7 @@ changes nothing: weights, optimizer states and step counters stay bitwise equal.
 from __future__ import annotations
 
 import math
+import os
 import socket
 
 import pytest
@@ -11,14 +12,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import compose_config
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from llm.config import ParallelismConfig, PrecisionConfig
+from llm.config import OptimizerConfig, ParallelismConfig, PrecisionConfig
 from llm.loss_scale import build_loss_scaler
 from llm.models import build_model, materialize, model_args
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import resolve_precision
 
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed1", "deepspeed2", "deepspeed3"]
 
 
 def _free_port() -> int:
@@ -37,16 +40,50 @@ def _step(strategy, model, x, poison: float):
     return result
 
 
+def _local(value) -> torch.Tensor:
+    """A copy of what this rank holds (DeepSpeed's checkpoint tensors are ShardedTensors)."""
+    if isinstance(value, ShardedTensor):
+        return torch.cat([s.tensor.flatten() for s in value.local_shards()])
+    return torch.as_tensor(value).clone()
+
+
 def _snapshot(strategy) -> dict:
     state = strategy.state_dict()
-    flat = {f"model.{k}": v.clone() for k, v in state["model"].items()}
+    flat = {f"model.{k}": _local(v) for k, v in state["model"].items()}
     for name, st in state["optimizer"]["state"].items():
         for key, value in st.items():
-            flat[f"optim.{name}.{key}"] = torch.as_tensor(value).clone()
+            flat[f"optim.{name}.{key}"] = _local(value)
     return flat
 
 
-def _rank(rank: int, world: int, port: int, name: str, poison: float, results) -> None:
+def _build(name: str, world: int, rank: int, device: torch.device):
+    """The strategy under fp16 with the torch preset; DeepSpeed (no fp16 on CPU, and built
+    from a whole run config) under bf16, for which it checks overflow too."""
+    dims = ParallelDims.from_config(-1, 1, 1, world, rank)
+    if name.startswith("deepspeed"):
+        os.environ["LOCAL_RANK"] = str(rank)  # as our launcher exports it
+        cfg = compose_config(
+            [
+                "output_dir=unused",  # nothing is written: no Trainer runs
+                "parallelism=deepspeed",
+                f"parallelism.zero_stage={name[-1]}",
+                "parallelism.bucket_cap_mb=0.05",
+                "precision=bf16",
+                "train.device=cpu",
+                "train.micro_batch_size=2",
+                "optimizer.lr=1e-2",
+            ]
+        )
+        policy = resolve_precision("bf16", device)
+        return build_strategy(cfg.parallelism, dims, policy, device, None, run_config=cfg)
+    policy = resolve_precision("fp16", device)
+    scaler = build_loss_scaler(PrecisionConfig(name="fp16", loss_scaler="torch"), True)
+    return build_strategy(
+        ParallelismConfig(name=name, bucket_cap_mb=0.05), dims, policy, device, scaler
+    )
+
+
+def _rank(rank: int, world: int, port: int, name: str, results) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -54,50 +91,41 @@ def _rank(rank: int, world: int, port: int, name: str, poison: float, results) -
         device = torch.device("cpu")
         torch.manual_seed(0)
         model = materialize(build_model(model_args("gpt2-tiny", vocab_size=64)), device, 0)
-        precision_cfg = PrecisionConfig(name="fp16", loss_scaler="torch")
-        policy = resolve_precision("fp16", device)
-        strategy = build_strategy(
-            ParallelismConfig(name=name, bucket_cap_mb=0.05),
-            ParallelDims.from_config(-1, 1, 1, world, rank),
-            policy,
-            device,
-            build_loss_scaler(precision_cfg, policy.loss_scaling),
-        )
+        strategy = _build(name, world, rank, device)
         model = strategy.wrap(model)
-        strategy.build_optimizer(model, __import__("llm.config").config.OptimizerConfig(lr=1e-2))
+        strategy.build_optimizer(model, OptimizerConfig(lr=1e-2))
         x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
         first = _step(strategy, model, x, 1.0)
-        before = _snapshot(strategy)
-        # Only rank 0's loss is poisoned; its inf/nan gradients must stop every rank.
-        bad = _step(strategy, model, x, poison if rank == 0 else 1.0)
-        after = _snapshot(strategy)
-        unchanged = before.keys() == after.keys() and all(
-            torch.equal(before[k], after[k]) for k in before
-        )
+        skipped, unchanged, scales = [], [], [first.loss_scale]
+        for poison in (math.inf, math.nan):
+            before = _snapshot(strategy)
+            # Only rank 0's loss is poisoned; its inf/nan gradients must stop every rank.
+            bad = _step(strategy, model, x, poison if rank == 0 else 1.0)
+            after = _snapshot(strategy)
+            skipped.append(bad.skipped)
+            unchanged.append(
+                before.keys() == after.keys()
+                and all(torch.equal(before[k], after[k]) for k in before)
+            )
         good = _step(strategy, model, x, 1.0)
-        results[rank] = (
-            first.skipped,
-            bad.skipped,
-            bad.loss_scale,
-            unchanged,
-            good.skipped,
-            good.loss_scale,
-        )
+        scales.append(good.loss_scale)
+        results[rank] = (first.skipped, skipped, unchanged, good.skipped, scales)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("poison", [math.inf, math.nan], ids=["inf", "nan"])
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_overflow_on_one_rank_skips_everywhere(name, poison):
+def test_overflow_on_one_rank_skips_everywhere(name):
     world = 2
     results = mp.Manager().dict()
     mp.start_processes(
-        _rank, args=(world, _free_port(), name, poison, results), nprocs=world, start_method="spawn"
+        _rank, args=(world, _free_port(), name, results), nprocs=world, start_method="spawn"
     )
     for rank in range(world):
-        first_skipped, bad_skipped, scale, unchanged, good_skipped, next_scale = results[rank]
-        assert not first_skipped and bad_skipped and not good_skipped, rank
-        assert unchanged, f"rank {rank}: the skipped step changed weights or optimizer state"
-        # torch preset: no hysteresis, so the overflow halves the scale at once.
-        assert next_scale == scale / 2 == 2.0**15, rank
+        first_skipped, skipped, unchanged, good_skipped, scales = results[rank]
+        assert not first_skipped and skipped == [True, True] and not good_skipped, rank
+        assert unchanged == [True, True], f"rank {rank}: a skipped step changed weights or state"
+        if name.startswith("deepspeed"):  # bf16: skipped, but there is no scale to lower
+            assert scales == [1.0, 1.0], rank
+        else:  # torch preset: no hysteresis, so each overflow halves the scale at once
+            assert scales == [2.0**16, 2.0**14], rank

@@ -1,0 +1,257 @@
+"""parallelism=deepspeed: DeepSpeed's engine (ZeRO stages 0-3, offload) behind our protocol.
+
+The engine is built from a ds_config generated from our groups (or a user's file with its
+"auto" values filled, llm/parallel/ds_config.py). How the protocol maps onto it:
+
+- wrap -> the engine; the Trainer calls it as the model.
+- micro_batch(sync) -> ``set_gradient_accumulation_boundary(sync)``: stages 0/1 reduce only at
+  the boundary; ZeRO-2/3 reduce every micro-batch (they partition gradients as they are
+  produced), as DeepSpeed does.
+- backward -> ``engine.backward(loss, scale_wrt_gas=False)``: the Trainer already divided by
+  the whole accumulated global batch, so DeepSpeed must not divide by the steps again.
+- clip_and_step -> ``engine.step()`` once per optimizer step; clipping is DeepSpeed's
+  ``gradient_clipping`` (train.grad_clip, fixed when the engine is built).
+- the optimizer our scheduler drives is the torch optimizer inside the engine, whose param
+  groups DeepSpeed steps: the lr our LambdaLR writes there is the lr DeepSpeed applies.
+- comm() reads DeepSpeed's comms logger (enabled in every config we hand over).
+
+Under fp32 DeepSpeed does not check gradients for inf/nan (fp16 and bf16 do, and skip), so a
+non-finite step is applied; the monitor's stop_on_nan ends such a run.
+
+Checkpoints use the keys and shapes every other strategy writes (llm/parallel/ds_checkpoint.py),
+so they move between world sizes, ZeRO stages and strategies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed import comm as ds_comm
+from deepspeed.utils import groups as ds_groups
+from torch import nn
+
+from llm.config import Config, OptimizerConfig, ParallelismConfig
+from llm.errors import ConfigError
+from llm.loss_scale import LossScaler
+from llm.optim import build_optimizer, param_groups
+from llm.parallel import ds_checkpoint as ckpt
+from llm.parallel.ds_config import checked_ds_config
+from llm.parallel.mesh import ParallelDims
+from llm.parallel.single import disabled_loss_scaler
+from llm.parallel.strategy import StepResult, register_strategy
+from llm.precision import PrecisionPolicy
+from llm.train.metrics import storage_bytes
+
+# Where DeepSpeed's ZeRO optimizers keep gradients between backward and step (stage 1/2:
+# the averaged fp32 partition; stage 2: the contiguous partition buffer; stage 3: its flat
+# partition buffer); module .grad and the masters' .grad are counted besides.
+GRAD_BUFFERS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer")
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def _kind(op: str) -> tuple[str, bool]:
+    """Our name for a collective DeepSpeed logged, and whether its logged size is the local
+    shard (all-gathers log their input) rather than the full tensor."""
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        if op.startswith(kind):
+            return kind, kind == "all_gather"
+    return op, False
+
+
+def _require_cpu_adam() -> None:
+    """ZeRO-Offload steps with DeepSpeed's CPU Adam, a C++ op JIT-built into
+    TORCH_EXTENSIONS_DIR on first use (about 5 minutes on 2 cores, then cached)."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    try:
+        CPUAdamBuilder().load(verbose=False)
+    except Exception as exc:  # a failed build surfaces as several exception types
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"parallelism.offload_optimizer=true needs DeepSpeed's CPU Adam, which did not build "
+            f"({reason}); install a C++ compiler and Python headers, or set "
+            "parallelism.offload_optimizer=false"
+        ) from exc
+
+
+@register_strategy("deepspeed")
+class DeepSpeedStrategy:
+    name = "deepspeed"
+    # build_strategy hands it the whole run config: the engine is built in wrap() and needs
+    # the batch sizes, clipping, optimizer and loss-scaler settings up front.
+    needs_run_config = True
+
+    def __init__(
+        self,
+        cfg: ParallelismConfig,
+        dims: ParallelDims,
+        precision: PrecisionPolicy,
+        device: torch.device,
+        loss_scaler: LossScaler | None = None,
+        run_config: Config | None = None,
+    ) -> None:
+        if run_config is None:
+            raise ConfigError("parallelism=deepspeed is built by llm.run with the run config")
+        self.cfg, self.dims, self.precision, self.device = cfg, dims, precision, device
+        self.run_config = run_config
+        # Only checkpoint bookkeeping: DeepSpeed's own scaler scales and skips.
+        self.scaler = loss_scaler or disabled_loss_scaler()
+        # DeepSpeed caches process groups in module globals and drops them only in its own
+        # destroy_process_group, while llm.run destroys torch's: a second run in this process
+        # (a sweep, a test) must not reuse the first run's dead groups.
+        ds_groups._release_process_group_references()
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        self.engine = None
+        self.inner: torch.optim.Optimizer | None = None
+        self._sent_before: Counter[str] = Counter()
+        self._grad_bytes = self._step_grad_bytes = 0
+
+    # ---- building ---------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> nn.Module:
+        opt_cfg = self.run_config.optimizer
+        self.ds_config = checked_ds_config(
+            self.run_config, self.precision, self.device, self.dims.dp_size, model.args.d_model
+        )
+        groups = param_groups(model, opt_cfg.weight_decay)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._group_names = [[names[id(p)] for p in g["params"]] for g in groups]
+        # Our registry's optimizer where the ds_config names none (sgd, ...): a client optimizer.
+        client = None if "optimizer" in self.ds_config else build_optimizer(model, opt_cfg)
+        if client is None and self.cfg.offload_optimizer:
+            _require_cpu_adam()
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=groups,
+            optimizer=client,
+            config=self.ds_config,
+            dist_init_required=False,
+        )
+        # The torch optimizer DeepSpeed steps (over its fp32 partitions under ZeRO).
+        self.inner = self.engine.basic_optimizer
+        self._sent_before = self._comm_totals()  # the engine's start-up broadcasts are no step's
+        return self.engine
+
+    def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+        if model is not self.engine:
+            raise ConfigError("parallelism=deepspeed: build the optimizer on the wrapped engine")
+        return self.inner
+
+    # ---- one step ---------------------------------------------------------------------
+    def micro_batch(self, sync: bool):
+        self.engine.set_gradient_accumulation_boundary(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if loss.requires_grad:
+            loss.register_hook(self._count_grads_when_backward_ends)
+        self.engine.backward(loss, scale_wrt_gas=False)
+        self._sample_grads()
+
+    def _count_grads_when_backward_ends(self, grad: torch.Tensor) -> torch.Tensor:
+        # Autograd runs queued callbacks once every gradient of this backward exists, before
+        # DeepSpeed's epilogue reduces them into partitions and frees the full ones: the
+        # most gradient memory a rank holds (ZeRO-1's full gradients live until then).
+        torch.autograd.Variable._execution_engine.queue_callback(self._sample_grads)
+        return grad
+
+    def _sample_grads(self) -> None:
+        self._grad_bytes = max(self._grad_bytes, self._held_grad_bytes())
+
+    def clip_and_step(self, max_norm: float) -> StepResult:
+        scale = self._loss_scale()  # the one this step's backward used
+        # Stage 0 keeps no norm; its gradients are whole and averaged on every rank here.
+        norm = self._replica_grad_norm() if self.cfg.zero_stage == 0 else None
+        self._step_grad_bytes, self._grad_bytes = self._grad_bytes, 0
+        self.engine.step()
+        if norm is None:
+            norm = float(self.engine.get_global_grad_norm())
+        return StepResult(norm, skipped=not self.engine.was_step_applied(), loss_scale=scale)
+
+    def _loss_scale(self) -> float:
+        return float(self.engine._get_optimizer_loss_scale() or 1.0)  # 1 without fp16
+
+    def _replica_grad_norm(self) -> float:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    def zero_grad(self) -> None:
+        """Nothing to do: engine.step() clears DeepSpeed's gradients itself."""
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def _flats(self):
+        return ckpt.optimizer_flats(self.engine, self.inner)
+
+    def state_dict(self) -> dict:
+        # Sharded over ranks under ZeRO; stage 0 holds whole replicas (DCP saves one copy).
+        shard = self.cfg.zero_stage > 0 and self.dims.dp_size > 1
+        state = ckpt.checkpoint_state(
+            self.engine, self.inner, self._group_names, self.dims.dp_group(), shard
+        )
+        scaler = self.scaler.state_dict()
+        scaler["scale"] = self._loss_scale()
+        scaler["skipped_steps"] = self.engine.skipped_steps
+        return {**state, "loss_scaler": scaler}
+
+    def load_state_dict(self, state: dict) -> None:
+        ckpt.restore(self.engine, self.inner, state["optimizer"])
+        if hasattr(self.engine.optimizer, "loss_scale_config"):  # fp16; the window restarts
+            self.engine.optimizer.loss_scale_config.cur_scale = float(state["loss_scaler"]["scale"])
+        self.engine.skipped_steps = int(state["loss_scaler"]["skipped_steps"])
+        self._sent_before = self._comm_totals()  # the restore's gathers are no step's
+
+    # ---- measurements -----------------------------------------------------------------
+    def _held_grad_bytes(self) -> int:
+        opt = self.engine.optimizer
+        held = [p.grad for p in self.engine.module.parameters()]
+        held += [flat.grad for flat, _ in self._flats()]
+        for attr in GRAD_BUFFERS:
+            held += _tensors(getattr(opt, attr, None))
+        return storage_bytes(held)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds: working params (ZeRO-3: its partitions plus persistent and
+        currently gathered params), gradients at their largest during the last step (after
+        a backward or before the step: DeepSpeed frees them inside step()), and fp32 master
+        partitions plus optimizer states."""
+        module = self.engine.module
+        params = list(module.parameters()) + [
+            getattr(p, "ds_tensor", None) for p in module.parameters()
+        ]
+        masters = [flat for flat, _ in self._flats()] if self.cfg.zero_stage else []
+        states = [v for s in self.inner.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {
+            "params": storage_bytes(params),
+            "grads": self._step_grad_bytes,
+            "optimizer_states": storage_bytes(masters + states),
+        }
+
+    def _comm_totals(self) -> Counter[str]:
+        totals: Counter[str] = Counter()
+        for op, sizes in ds_comm.comms_logger.comms_dict.items():
+            kind, shard = _kind(op)
+            sent = sum(size * record[0] for size, record in sizes.items())
+            totals[kind] += sent * (self.dims.dp_size if shard else 1)
+        return totals
+
+    def comm(self) -> dict[str, int]:
+        """Payload bytes per collective kind since the last call: the full-size tensor each
+        collective operates on, per rank (an all-gather counts its output, a reduce-scatter
+        its input), as DDP's all-reduce counts its bucket."""
+        totals = self._comm_totals()
+        sent = {k: v - self._sent_before[k] for k, v in totals.items() if v > self._sent_before[k]}
+        self._sent_before = totals
+        return sent
