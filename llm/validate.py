@@ -65,7 +65,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"parallelism=single runs one process but {nproc} ranks were asked for; "
             "use parallelism=ddp or launcher.nproc_per_node=1"
         )
-    _validate_strategy(cfg, nproc, precision)
+    _validate_strategy(cfg, nproc, precision, device)
     if cfg.scheduler.warmup_steps >= cfg.train.max_steps:
         raise ConfigError(
             f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be below "
@@ -83,13 +83,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
 
 
-def _validate_strategy(cfg: Config, nproc: int, precision) -> None:
+def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device) -> None:
     name = cfg.parallelism.name
+    dp = nproc if cfg.parallelism.dp_size == -1 else cfg.parallelism.dp_size
     if name == "fsdp":
         from llm.parallel.fsdp import refuse_impossible
 
-        dp = nproc if cfg.parallelism.dp_size == -1 else cfg.parallelism.dp_size
         refuse_impossible(cfg.parallelism.replicate, dp, precision)
+    if name == "deepspeed":  # the generated (or filled-in) ds_config, with its refusals
+        from llm.parallel.ds_config import checked_ds_config
+
+        checked_ds_config(cfg, precision, device, dp, model_args_for(cfg).d_model)
     if name == "zero3" and cfg.train.compile:
         raise ConfigError(
             "parallelism=zero3 with train.compile=true is not supported yet (its per-block "
