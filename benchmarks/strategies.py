@@ -1,0 +1,532 @@
+"""DDP, our ZeRO-1/2/3, FSDP2 and DeepSpeed ZeRO-1/2/3 on one model and global batch, side by side.
+
+Every (ranks, strategy) row is one `python train.py ...` with the same model, data, seed and
+global batch (micro_batch_size = global / ranks), so every strategy does the same work (the
+final loss shows it). A subprocess per row rather than an in-process `launch`: its peak RSS
+is its own (the benchmark's imports and earlier rows are not in it), DeepSpeed's global
+state (accelerator, comms logger) and gloo's threads die with the row, a row that hangs is
+killed with all its ranks (its own process group) after --timeout, a crash cannot take the
+benchmark down (the row shows as failed with its one-line error and the next row runs),
+and OMP_NUM_THREADS is set per rank count (cores // ranks: oversubscribed pools thrash).
+
+Per row: the median of rank 0's `step_time_s` after --warmup steps; the CPU that other
+processes used meanwhile (a shared machine: such rows are run again, --retakes); rank 0's
+model-state bytes (params / grads / optimizer states as the strategy's memory() counts its
+tensor storages) with the ZeRO paper's formula for that stage and precision in brackets;
+the peak memory (max over ranks: CPU peak RSS, GPU CUDA allocator peak); and the payload of
+the collectives per step (all-reduce buffer, reduce-scatter input, all-gather output), also
+in the paper's units (elements per rank / Φ, an all-reduce counting twice: RS + AG).
+With --device cuda, one-rank rows compare fp32, tf32, bf16, fp16 and fp8 too; a precision
+the GPU refuses shows as n/a with the reason.
+
+    python benchmarks/strategies.py                                 # CPU: 2 and 4 ranks, all
+    python benchmarks/strategies.py --ranks 2 --strategies ddp,zero3,fsdp --steps 20
+    python benchmarks/strategies.py --device cuda --ranks 1         # one GPU: + precisions
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from llm.precision import PrecisionPolicy, resolve_precision
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name -> (train.py overrides, ZeRO stage: what is partitioned, 3 = params too)
+STRATEGIES = {
+    "ddp": (("parallelism=ddp",), 0),
+    "zero1": (("parallelism=zero1",), 1),
+    "zero2": (("parallelism=zero2",), 2),
+    "zero3": (("parallelism=zero3",), 3),
+    "fsdp": (("parallelism=fsdp",), 3),  # reshard_after_forward=true: ZeRO-3-like
+    "deepspeed1": (("parallelism=deepspeed", "parallelism.zero_stage=1"), 1),
+    "deepspeed2": (("parallelism=deepspeed", "parallelism.zero_stage=2"), 2),
+    "deepspeed3": (("parallelism=deepspeed", "parallelism.zero_stage=3"), 3),
+}
+# Elements each rank moves per step, in Φ (paper, section 7): all-reduce = RS + AG = 2Φ;
+# stage 3 gathers the parameters twice (forward and backward) besides the reduce-scatter.
+PAPER_COMM_PHI = {0: 2, 1: 2, 2: 2, 3: 3}
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+KIND_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC"}
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Job:
+    strategy: str  # a STRATEGIES key, or "single" for the precision rows
+    ranks: int
+    precision: str
+
+
+# ---- the formulas ---------------------------------------------------------------------
+def _replica_layout(strategy: str, p: PrecisionPolicy) -> tuple[int, int, int]:
+    """Bytes per parameter (params, grads, optimizer states) before any partitioning.
+
+    DDP and FSDP keep param_dtype weights and gradients (autocast only casts the compute);
+    our ZeRO and DeepSpeed keep working_dtype ones plus a master copy in the optimizer when
+    that differs (mixed precision: the paper's 2 + 2 + 12). AdamW: two moments.
+    """
+    moments = 2 * p.optimizer_state_dtype.itemsize
+    if strategy in ("ddp", "fsdp", "single"):
+        return p.param_dtype.itemsize, p.param_dtype.itemsize, moments
+    working = p.working_dtype.itemsize
+    master = p.master_dtype.itemsize if p.master_dtype != p.working_dtype else 0
+    return working, working, master + moments
+
+
+def formula(strategy: str, p: PrecisionPolicy, n: int, phi: int) -> dict:
+    """The paper's bytes per rank for this stage, split by kind, and the expression."""
+    stage = STRATEGIES[strategy][1] if strategy in STRATEGIES else 0
+    P, G, K = _replica_layout(strategy, p)
+    split = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[stage]
+    pairs = list(zip((P, G, K), split, strict=True))
+    parts = [b / d for b, d in pairs]
+    expr = " + ".join(f"{b}Φ" + ("/N" if d > 1 else "") for b, d in pairs)
+    return {
+        "params": parts[0] * phi,
+        "grads": parts[1] * phi,
+        "optimizer_states": parts[2] * phi,
+        "total": sum(parts) * phi,
+        "expr": expr,
+        "phi_per_rank": sum(parts),
+    }
+
+
+def _comm_itemsize(strategy: str, kind: str, p: PrecisionPolicy) -> int:
+    """Bytes per element of a collective: DDP all-reduces param_dtype gradients; FSDP2
+    gathers working_dtype parameters and reduces in reduce_dtype; our ZeRO and DeepSpeed move
+    working_dtype parameters and gradients."""
+    if strategy == "ddp":
+        return p.param_dtype.itemsize
+    if strategy == "fsdp":
+        return (p.working_dtype if kind == "all_gather" else p.reduce_dtype).itemsize
+    return p.working_dtype.itemsize
+
+
+def comm_phi(strategy: str, sent: dict[str, float], p: PrecisionPolicy, phi: int) -> float:
+    elements = 0.0
+    for kind, payload in sent.items():
+        count = payload / _comm_itemsize(strategy, kind, p)
+        elements += 2 * count if kind == "all_reduce" else count
+    return elements / phi
+
+
+def paper_comm_phi(job: Job) -> int:
+    if job.ranks == 1 or job.strategy not in STRATEGIES:
+        return 0  # nothing to synchronise
+    return PAPER_COMM_PHI[STRATEGIES[job.strategy][1]]
+
+
+# ---- running one row ------------------------------------------------------------------
+def overrides(a: argparse.Namespace, job: Job, run_dir: Path) -> list[str]:
+    parallel = (
+        STRATEGIES[job.strategy][0] if job.strategy in STRATEGIES else ("parallelism=single",)
+    )
+    return [
+        *parallel,
+        f"launcher.nproc_per_node={job.ranks}",
+        f"precision={job.precision}",
+        f"model={a.model}",
+        "data=stdlib",
+        f"data.tokenizer={a.tokenizer}",
+        f"data.seq_len={a.seq_len}",
+        f"data.val_samples={a.val_samples}",
+        f"train.device={a.device}",
+        f"train.micro_batch_size={a.global_batch // job.ranks}",
+        "train.grad_accum_steps=1",
+        f"train.max_steps={a.steps}",
+        "train.log_every=1",  # every step's step_time_s reaches metrics.jsonl
+        f"train.eval_every={a.steps}",  # only the (small) final evaluation
+        "scheduler.warmup_steps=1",
+        "logger=none",
+        "logger.progress=false",
+        "checkpoint.enabled=false",
+        f"hydra.run.dir={run_dir}",  # output_dir follows; nothing lands in outputs/
+    ]
+
+
+def one_line_error(log: str) -> str:
+    """The line that names the failure: train.py's `error: ...`, else the exception line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            return line.removeprefix("error: ")
+    for line in reversed(lines):
+        if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]:
+            return line
+    return lines[-1] if lines else "no output"
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (steal included: another VM's work)."""
+    t = psutil.cpu_times()
+    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of our finished children: train.py and, reaped by it, its ranks."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+def threads_per_rank(a: argparse.Namespace, ranks: int) -> int:
+    # One OpenMP pool per rank sized to its share of the cores: oversubscribed pools thrash.
+    return a.threads or max(1, (os.cpu_count() or 1) // ranks)
+
+
+def run_job(a: argparse.Namespace, job: Job, root: Path) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(
+        tempfile.mkdtemp(prefix=f"{job.strategy}-{job.ranks}-{job.precision}-", dir=root)
+    )
+    row = {"strategy": job.strategy, "ranks": job.ranks, "precision": job.precision}
+    row.update(ok=False, error=None, run_dir=str(run_dir))
+    if a.device == "cuda" and job.ranks > torch.cuda.device_count():
+        row["error"] = f"needs {job.ranks} GPUs, this machine has {torch.cuda.device_count()}"
+        return row
+    threads = threads_per_rank(a, job.ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, str(REPO / "train.py"), *overrides(a, job, run_dir)]
+    row["load_at_start"] = os.getloadavg()[0]
+    busy, ours = _busy_cpu_s(), _children_cpu_s()
+    start = time.perf_counter()
+    with open(run_dir / "bench.log", "w") as log:
+        # Own session: a hung row is killed with every rank it spawned, nothing else.
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    row["wall_s"] = time.perf_counter() - start
+    # CPU the rest of the machine used meanwhile (cores, on average): a row that shared
+    # the cores with another job shows it here, and its timings should be re-taken.
+    others = (_busy_cpu_s() - busy) - (_children_cpu_s() - ours)
+    row["others_cpu"] = max(0.0, others) / row["wall_s"]
+    row["threads"] = threads
+    if rc is None:
+        row["error"] = f"timed out after {a.timeout} s"
+        return row
+    if rc != 0:
+        row["error"] = one_line_error((run_dir / "bench.log").read_text(errors="replace"))
+        return row
+    return {**row, **read_run(a, job, run_dir)}
+
+
+def read_run(a: argparse.Namespace, job: Job, run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [m["step_time_s"] for m in metrics if "step_time_s" in m and m["step"] > a.warmup]
+    median = statistics.median(times)
+    phi = summary["n_params"]
+    policy = resolve_precision(job.precision, torch.device(a.device))
+    sent = summary["comm_bytes_per_step"][0]
+    return {
+        "ok": True,
+        "step_times_s": times,
+        "median_ms": median * 1e3,
+        "min_ms": min(times) * 1e3,
+        "tokens_per_s": a.global_batch * a.seq_len / median,
+        "n_params": phi,
+        "model_state_bytes": summary["model_state_bytes"][0],
+        "model_state_bytes_per_rank": summary["model_state_bytes"],
+        "formula_bytes": formula(job.strategy, policy, job.ranks, phi),
+        "peak_memory_bytes": summary["peak_memory_bytes"],
+        "comm_bytes_per_step": sent,
+        "comm_phi": comm_phi(job.strategy, sent, policy, phi),
+        "paper_comm_phi": paper_comm_phi(job),
+        "final_train_loss": summary["final_train_loss"],
+        "hardware": summary.get("hardware"),
+    }
+
+
+# ---- tables ---------------------------------------------------------------------------
+COLUMNS = (
+    "ranks",
+    "strategy",
+    "median step ms",
+    "vs ddp",
+    "others' CPU",
+    "params MB",
+    "grads MB",
+    "optim MB",
+    "total MB",
+    "ZeRO formula (bytes/param)",
+    "peak MiB",
+    "comm / step (payload MB)",
+    "comm Φ",
+    "paper Φ",
+    "loss",
+)
+
+
+LEGEND = (
+    "MB columns: measured on rank 0 [the ZeRO paper's formula, Φ = n_params]; vs ddp: step "
+    "time / ddp's at the same rank count; others' CPU: cores that other processes used "
+    "during the row (re-take rows where it is not ~0); comm: payload per step per rank "
+    "(AR all-reduce, RS reduce-scatter, AG all-gather); comm Φ: elements moved per rank / Φ "
+    "(an all-reduce counts twice); loss: final training loss (same data, same work)."
+)
+
+
+def _mb(measured: float, expected: float) -> str:
+    return f"{measured / MB:.2f} [{expected / MB:.2f}]"
+
+
+def strategy_cells(r: dict, ddp: dict | None) -> list[str]:
+    head = [str(r["ranks"]), r["strategy"]]
+    if not r["ok"]:
+        return [*head, f"failed: {r['error']}", *[""] * (len(COLUMNS) - 3)]
+    ms, f = r["model_state_bytes"], r["formula_bytes"]
+    total = sum(ms.values())
+    vs = f"{r['median_ms'] / ddp['median_ms']:.2f}x" if ddp and ddp.get("ok") else "-"
+    sent = r["comm_bytes_per_step"]
+    comm = ", ".join(
+        f"{KIND_SHORT.get(k, k)} {v / MB:.2f}" for k, v in sorted(sent.items()) if v >= 1000
+    )
+    return [
+        *head,
+        f"{r['median_ms']:.0f}",
+        vs,
+        f"{r['others_cpu']:.2f}",
+        _mb(ms["params"], f["params"]),
+        _mb(ms["grads"], f["grads"]),
+        _mb(ms["optimizer_states"], f["optimizer_states"]),
+        _mb(total, f["total"]),
+        f"{f['expr']} = {f['phi_per_rank']:.1f}Φ",
+        f"{r['peak_memory_bytes'] / 2**20:,.0f}",
+        comm or "-",
+        f"{r['comm_phi']:.2f}Φ",
+        f"{r['paper_comm_phi']}Φ",
+        f"{r['final_train_loss']:.3f}",
+    ]
+
+
+def precision_cells(r: dict, fp32: dict | None) -> list[str]:
+    if not r["ok"]:
+        return [r["precision"], f"n/a ({r['error']})", *[""] * (len(PRECISION_COLUMNS) - 2)]
+    vs = f"{r['median_ms'] / fp32['median_ms']:.2f}x" if fp32 and fp32.get("ok") else "-"
+    return [
+        r["precision"],
+        f"{r['median_ms']:.1f}",
+        vs,
+        f"{r['others_cpu']:.2f}",
+        f"{r['tokens_per_s']:,.0f}",
+        f"{r['peak_memory_bytes'] / 2**20:,.0f}",
+        f"{r['final_train_loss']:.3f}",
+    ]
+
+
+PRECISION_COLUMNS = (
+    "precision",
+    "median step ms",
+    "vs fp32",
+    "others' CPU",
+    "tokens/s",
+    "peak MiB",
+    "loss",
+)
+
+
+def strategy_rows(results: list[dict]) -> list[list[str]]:
+    ddp = {r["ranks"]: r for r in results if r["strategy"] == "ddp"}
+    return [strategy_cells(r, ddp.get(r["ranks"])) for r in results]
+
+
+def precision_rows(results: list[dict]) -> list[list[str]]:
+    fp32 = next((r for r in results if r["precision"] == "fp32"), None)
+    return [precision_cells(r, fp32) for r in results]
+
+
+def print_table(title: str, columns: tuple[str, ...], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i < 2 or "formula" in col else "right")
+    for cells in rows:
+        table.add_row(*cells)
+    Console(width=250).print(table)
+
+
+def markdown(title: str, columns: tuple[str, ...], rows: list[list[str]]) -> str:
+    align = ["---" if i < 2 or "formula" in c else "---:" for i, c in enumerate(columns)]
+    lines = [title, "", "| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the command line -----------------------------------------------------------------
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise SystemExit(f"--ranks={text!r}: use a comma list of positive integers")
+    return values
+
+
+def _strategies(text: str) -> list[str]:
+    out = []
+    for v in (v.strip() for v in text.split(",") if v.strip()):
+        names = [f"deepspeed{s}" for s in (1, 2, 3)] if v == "deepspeed" else [v]
+        bad = [n for n in names if n not in STRATEGIES]
+        if bad:
+            raise SystemExit(f"--strategies: {v!r} is unknown; use {', '.join(STRATEGIES)}")
+        out += names
+    return out
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--ranks", default="2,4", help="comma list of rank counts (default 2,4)")
+    p.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="comma list; 'deepspeed' means deepspeed1,deepspeed2,deepspeed3",
+    )
+    p.add_argument("--model", default=None, help="CPU default gpt2-mini, GPU gpt2-small")
+    p.add_argument("--tokenizer", default="byte", help="data.tokenizer (byte: vocab 256)")
+    p.add_argument("--seq-len", type=int, default=None, help="CPU default 256, GPU 1024")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (CPU 8)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per row")
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
+    p.add_argument("--precision", default=None, help="strategy rows (CPU fp32, GPU bf16)")
+    p.add_argument("--val-samples", type=int, default=8, help="the final evaluation's samples")
+    p.add_argument("--threads", type=int, default=None, help="per rank (default cores // ranks)")
+    p.add_argument(
+        "--retake-above",
+        type=float,
+        default=0.25,
+        help="run a row again when other processes used more CPU cores than this meanwhile",
+    )
+    p.add_argument("--retakes", type=int, default=1, help="how many times at most (0: never)")
+    p.add_argument(
+        "--quiet-wait", type=int, default=60, help="seconds a retake waits for a quiet machine"
+    )
+    p.add_argument("--timeout", type=int, default=300, help="seconds before a row is killed")
+    p.add_argument(
+        "--out", default="outputs/bench_strategies.json", help="JSON results ('' for none)"
+    )
+    p.add_argument("--markdown", default=None, help="also write the tables as markdown here")
+    p.add_argument("--keep-runs", default=None, help="keep run directories here (default: temp)")
+    a = p.parse_args(argv)
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no CUDA device; use --device cpu")
+    gpu = a.device == "cuda"
+    a.model = a.model or ("gpt2-small" if gpu else "gpt2-mini")
+    a.seq_len = a.seq_len or (1024 if gpu else 256)
+    a.global_batch = a.global_batch or 8
+    a.precision = a.precision or ("bf16" if gpu else "fp32")
+    a.rank_counts = _ints(a.ranks)
+    a.strategy_names = _strategies(a.strategies)
+    if a.steps <= a.warmup + 1:
+        raise SystemExit(f"--steps={a.steps} must exceed --warmup={a.warmup} by at least 2")
+    bad = [n for n in a.rank_counts if a.global_batch % n]
+    if bad:
+        raise SystemExit(f"--global-batch={a.global_batch} must divide by every rank count {bad}")
+    return a
+
+
+def wait_for_quiet(a: argparse.Namespace) -> None:
+    """Between rows nothing of ours runs: wait (up to --quiet-wait s) until the rest of the
+    machine uses fewer than --retake-above cores."""
+    deadline = time.monotonic() + a.quiet_wait
+    while True:
+        others = psutil.cpu_percent(interval=3) / 100 * (os.cpu_count() or 1)
+        if others <= a.retake_above or time.monotonic() > deadline:
+            return
+
+
+def run_and_report(a: argparse.Namespace, job: Job, root: Path, retake: bool = False) -> dict:
+    r = run_job(a, job, root)
+    status = f"{r['median_ms']:.0f} ms" if r["ok"] else f"failed: {r['error']}"
+    label = f"{'retake ' if retake else ''}{job.ranks} ranks {job.strategy:>10} {job.precision:>4}"
+    others = f", others' CPU {r['others_cpu']:.2f}" if "others_cpu" in r else ""
+    print(f"{label}: {status} ({r.get('wall_s', 0):.0f} s{others})", flush=True)
+    return r
+
+
+def machine(results: list[dict]) -> str:
+    hw = next((r["hardware"] for r in results if r.get("hardware")), None) or {}
+    cpu = hw.get("cpu") or platform.processor() or platform.machine()
+    gpu = f", {hw['gpu']} x{hw['gpu_count']}" if "gpu" in hw else ""
+    out = f"{cpu}, {hw.get('cpu_count', os.cpu_count())} cores{gpu}, torch {torch.__version__}"
+    try:
+        return f"{out}, DeepSpeed {importlib.metadata.version('deepspeed')}"
+    except importlib.metadata.PackageNotFoundError:
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse(argv)
+    root = Path(a.keep_runs) if a.keep_runs else Path(tempfile.mkdtemp(prefix="bench-strat-"))
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    jobs = [Job(name, n, a.precision) for n in a.rank_counts for name in a.strategy_names]
+    if a.device == "cuda":
+        jobs += [Job("single", 1, name) for name in PRECISIONS]
+    rows = [run_and_report(a, job, root) for job in jobs]
+    for _ in range(a.retakes):
+        # A shared machine: rows another job slowed down are run again, the cleaner kept.
+        again = [i for i, r in enumerate(rows) if r["ok"] and r["others_cpu"] > a.retake_above]
+        for i in again:
+            wait_for_quiet(a)
+            r = run_and_report(a, jobs[i], root, retake=True)
+            if r["ok"] and r["others_cpu"] < rows[i]["others_cpu"]:
+                rows[i] = r
+    results = [r for job, r in zip(jobs, rows, strict=True) if job.strategy != "single"]
+    precision = [r for job, r in zip(jobs, rows, strict=True) if job.strategy == "single"]
+    wall = time.perf_counter() - start
+    threads = ", ".join(f"{threads_per_rank(a, n)} at {n} ranks" for n in a.rank_counts)
+    title = (
+        f"{a.model}, global batch {a.global_batch} x seq {a.seq_len} ({a.tokenizer} tokens), "
+        f"{a.precision}, {a.device}, median of steps {a.warmup + 1}-{a.steps}, threads per "
+        f"rank {threads}; {machine(results)}; load average {load_before[0]:.2f} at start; "
+        f"{wall / 60:.1f} min"
+    )
+    print_table(title, COLUMNS, strategy_rows(results))
+    print(LEGEND)
+    ptitle = f"One rank, {a.model}, batch {a.global_batch} x seq {a.seq_len}, {a.device}"
+    if precision:
+        print_table(ptitle, PRECISION_COLUMNS, precision_rows(precision))
+    else:
+        print("GPU precision comparison (fp32/tf32/bf16/fp16/fp8) skipped: --device cpu.")
+    if a.out:
+        payload = {"args": {k: v for k, v in vars(a).items()}, "title": title, "wall_s": wall}
+        payload.update(load_before=load_before, load_after=os.getloadavg())
+        payload.update(strategies=results, precisions=precision)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(payload, indent=2, default=str))
+    if a.markdown:
+        text = markdown(title, COLUMNS, strategy_rows(results)) + "\n" + LEGEND + "\n"
+        if precision:
+            text += "\n" + markdown(ptitle, PRECISION_COLUMNS, precision_rows(precision))
+        Path(a.markdown).write_text(text)
+    if not a.keep_runs:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
