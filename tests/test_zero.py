@@ -223,11 +223,11 @@ def _norms_rank(rank: int, world: int, port: int, results) -> None:
             torch.device("cpu"),
         )
         strategy.build_optimizer(strategy.wrap(model), OptimizerConfig())
-        pieces = [t for _, t in strategy._piece_params]
+        pieces = [t for _, t in strategy.piece_params]
         norms = strategy.optimizer.whole_param_norms(pieces)
         results[rank] = [
             (piece.slot.name, float(norm), float(expected[piece.slot.name]))
-            for (piece, _), norm in zip(strategy._piece_params, norms, strict=True)
+            for (piece, _), norm in zip(strategy.piece_params, norms, strict=True)
         ]
     finally:
         dist.destroy_process_group()

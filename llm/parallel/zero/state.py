@@ -19,7 +19,7 @@ from llm.parallel.zero.layout import clean_name
 
 def _elementwise_keys(strategy) -> list[str]:
     """Optimizer-state entries shaped like the parameter piece (exp_avg, ...)."""
-    for _, tensor in strategy._piece_params:
+    for _, tensor in strategy.piece_params:
         st = strategy.optimizer.state.get(tensor, {})
         return sorted(
             k for k, v in st.items() if torch.is_tensor(v) and v.shape == tensor.shape and v.dim()
@@ -29,7 +29,7 @@ def _elementwise_keys(strategy) -> list[str]:
 
 def _scalars(strategy) -> dict:
     """Per-parameter scalars (AdamW's ``step``): the same for every piece."""
-    for _, tensor in strategy._piece_params:
+    for _, tensor in strategy.piece_params:
         st = strategy.optimizer.state.get(tensor, {})
         return {k: v for k, v in st.items() if not (torch.is_tensor(v) and v.dim())}
     return {}
@@ -58,14 +58,14 @@ def ensure_optimizer_state(strategy) -> None:
     if optimizer.state:
         return
     lrs = [g["lr"] for g in optimizer.param_groups]
-    for _, tensor in strategy._piece_params:
+    for _, tensor in strategy.piece_params:
         tensor.grad = torch.zeros_like(tensor)
     for g in optimizer.param_groups:
         g["lr"] = 0.0
     optimizer.step()
     for g, lr in zip(optimizer.param_groups, lrs, strict=True):
         g["lr"] = lr
-    for _, tensor in strategy._piece_params:
+    for _, tensor in strategy.piece_params:
         tensor.grad = None
 
 
@@ -120,7 +120,7 @@ def _group_names(strategy) -> list[list[str]]:
     group_of = {
         id(t): i for i, g in enumerate(strategy.optimizer.param_groups) for t in g["params"]
     }
-    for piece, tensor in strategy._piece_params:
+    for piece, tensor in strategy.piece_params:
         names = out[group_of[id(tensor)]]
         if piece.slot.name not in names:
             names.append(piece.slot.name)

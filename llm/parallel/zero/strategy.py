@@ -48,7 +48,7 @@ class ZeroStrategy(SingleStrategy):
         self.gatherer: UnitGatherer | None = None
         self._sync = True
         self._pending: list = []  # (buffers, output shard, work) of in-flight reduce-scatters
-        self._master_grads: list[torch.Tensor] = []
+        self.piece_params: list = []  # (Piece, the tensor the optimizer steps), in order
         self._sent: Counter[str] = Counter()
 
     # ---- set-up -----------------------------------------------------------------------
@@ -97,11 +97,11 @@ class ZeroStrategy(SingleStrategy):
         factory_groups = param_groups(model, cfg.weight_decay)
         group_of = {p: i for i, g in enumerate(factory_groups) for p in g["params"]}
         groups = [{**g, "params": []} for g in factory_groups]
-        self._piece_params = []
+        self.piece_params = []
         for buf in self.buffers:
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 groups[group_of[piece.slot.param]]["params"].append(tensor)
-                self._piece_params.append((piece, tensor))
+                self.piece_params.append((piece, tensor))
         if any(not g["params"] for g in groups):
             raise ConfigError(
                 f"parallelism=zero{self.stage}: a rank owns no slice of some parameter group "
@@ -172,12 +172,12 @@ class ZeroStrategy(SingleStrategy):
 
     def local_grads(self) -> list[torch.Tensor]:
         # fp32 master gradients: norms of 16-bit scaled gradients would overflow.
-        self._master_grads = [buf.master_grad() for buf in self.buffers]
-        for buf, grad in zip(self.buffers, self._master_grads, strict=True):
+        grads = [buf.master_grad() for buf in self.buffers]
+        for buf, grad in zip(self.buffers, grads, strict=True):
             lo = buf.bucket.shard_range(self.rank)[0]
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 tensor.grad = grad[piece.start - lo : piece.stop - lo]
-        return self._master_grads
+        return grads
 
     def nonfinite_grad_names(self) -> list[str]:
         names = []
@@ -201,9 +201,8 @@ class ZeroStrategy(SingleStrategy):
         for buf in self.buffers:
             # Stage 1's full buffer holds the shard too; stages 2-3 keep only the shard.
             (buf.grad_full if self.stage == 1 else buf.grad_shard).zero_()
-        for _, tensor in self._piece_params:
+        for _, tensor in self.piece_params:
             tensor.grad = None
-        self._master_grads = []
 
     def whole_param_norms(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """For per-piece tensors (in optimizer order), the L2 norm over the whole parameter
@@ -211,7 +210,7 @@ class ZeroStrategy(SingleStrategy):
         slots = [buf_slot for buf in self.buffers for buf_slot in buf.bucket.slots]
         index = {id(s): i for i, s in enumerate(slots)}
         sq = torch.zeros(len(slots), dtype=torch.float32, device=tensors[0].device)
-        owners = [index[id(piece.slot)] for piece, _ in self._piece_params]
+        owners = [index[id(piece.slot)] for piece, _ in self.piece_params]
         for owner, t in zip(owners, tensors, strict=True):
             sq[owner] += t.float().pow(2).sum()
         dist.all_reduce(sq, group=self.group)
