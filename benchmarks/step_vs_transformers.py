@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 import torch.nn.functional as F
+from bench_device import bench_device
 
 from llm.models import MODEL_SHAPES, ModelArgs, build_model, materialize, model_args
 from llm.models.hf_config import hf_config
@@ -135,10 +136,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[Row]]
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = p.parse_args(argv)
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device; use --device cpu")
+    a.device = bench_device(a.device)
     gpu = a.device == "cuda"
     a.model = a.model or ("gpt2-small" if gpu else "gpt2-mini")
     if a.model not in MODEL_SHAPES:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from bench_device import bench_device
 
 from llm.precision import PrecisionPolicy, resolve_precision
 
@@ -430,10 +431,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--markdown", default=None, help="also write the tables as markdown here")
     p.add_argument("--keep-runs", default=None, help="keep run directories here (default: temp)")
     a = p.parse_args(argv)
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device; use --device cpu")
+    a.device = bench_device(a.device)
     gpu = a.device == "cuda"
     a.model = a.model or ("gpt2-small" if gpu else "gpt2-mini")
     a.seq_len = a.seq_len or (1024 if gpu else 256)

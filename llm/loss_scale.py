@@ -24,31 +24,21 @@ from llm.config import PrecisionConfig
 # REFERENCE.md, "Dynamic loss-scaler defaults". torch's GradScaler has no hysteresis and no
 # floor; min_scale 0 means none. growth_offset is no config field: it is how each library
 # counts, and a preset is only faithful with its own (see LossScalerSettings).
+_HALVE_OR_DOUBLE = dict(growth_factor=2.0, backoff_factor=0.5)  # all three agree on these
 PRESETS: dict[str, dict[str, float]] = {
     "deepspeed": dict(
+        _HALVE_OR_DOUBLE,
         initial_scale=2.0**16,
-        growth_factor=2.0,
-        backoff_factor=0.5,
         growth_interval=1000,
         hysteresis=2,
         min_scale=1.0,
         growth_offset=1,
     ),
     "megatron": dict(
-        initial_scale=2.0**32,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=1000,
-        hysteresis=2,
-        min_scale=1.0,
+        _HALVE_OR_DOUBLE, initial_scale=2.0**32, growth_interval=1000, hysteresis=2, min_scale=1.0
     ),
     "torch": dict(
-        initial_scale=2.0**16,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=2000,
-        hysteresis=1,
-        min_scale=0.0,
+        _HALVE_OR_DOUBLE, initial_scale=2.0**16, growth_interval=2000, hysteresis=1, min_scale=0.0
     ),
 }
 
@@ -156,8 +146,12 @@ def build_loss_scaler(cfg: PrecisionConfig, loss_scaling: bool) -> LossScaler:
     disabled one that still guards against non-finite gradients."""
     if loss_scaling:
         return LossScaler(LossScalerSettings.from_config(cfg))
-    # A static scale of 1 that only counts (and skips) non-finite steps.
+    return disabled_loss_scaler(cfg.max_overflows_at_min_scale)
+
+
+def disabled_loss_scaler(max_overflows_at_min_scale: int = 3) -> LossScaler:
+    """A static scale of 1 that only counts (and skips) non-finite steps."""
     settings = LossScalerSettings(
-        dynamic=False, max_overflows_at_min_scale=cfg.max_overflows_at_min_scale
+        dynamic=False, max_overflows_at_min_scale=max_overflows_at_min_scale
     )
     return LossScaler(settings, enabled=False)

@@ -36,12 +36,11 @@ from torch import nn
 
 from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
-from llm.loss_scale import LossScaler
+from llm.loss_scale import LossScaler, disabled_loss_scaler
 from llm.optim import build_optimizer, param_groups
 from llm.parallel import ds_checkpoint as ckpt
 from llm.parallel.ds_config import checked_ds_config
 from llm.parallel.mesh import ParallelDims
-from llm.parallel.single import disabled_loss_scaler
 from llm.parallel.strategy import StepResult, register_strategy
 from llm.precision import PrecisionPolicy
 from llm.train.metrics import storage_bytes

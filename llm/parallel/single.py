@@ -17,16 +17,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from llm.config import OptimizerConfig, ParallelismConfig
 from llm.errors import TrainingError
-from llm.loss_scale import LossScaler, LossScalerSettings
+from llm.loss_scale import LossScaler, disabled_loss_scaler
 from llm.optim import build_optimizer
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.strategy import StepResult, register_strategy
 from llm.precision import PrecisionPolicy, wrap_optimizer
 from llm.train.metrics import model_state_bytes
-
-
-def disabled_loss_scaler() -> LossScaler:
-    return LossScaler(LossScalerSettings(dynamic=False), enabled=False)
 
 
 @register_strategy("single")
