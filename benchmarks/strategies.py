@@ -83,7 +83,7 @@ def _replica_layout(strategy: str, p: PrecisionPolicy) -> tuple[int, int, int]:
     our ZeRO and DeepSpeed keep working_dtype ones plus a master copy in the optimizer when
     that differs (mixed precision: the paper's 2 + 2 + 12). AdamW: two moments.
     """
-    moments = 2 * p.optimizer_state_dtype.itemsize
+    moments = 2 * p.master_dtype.itemsize  # AdamW's moments follow the weights it updates
     if strategy in ("ddp", "fsdp", "single"):
         return p.param_dtype.itemsize, p.param_dtype.itemsize, moments
     working = p.working_dtype.itemsize

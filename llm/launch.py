@@ -13,32 +13,16 @@ import shutil
 import signal
 import socket
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
 from llm.config import Config
+from llm.dist import RankEnv
 from llm.errors import LabError, TrainingError
 
 REPO = Path(__file__).resolve().parent.parent
 ERRORS_DIR = ".rank_errors"
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    rank: int
-    local_rank: int
-    world_size: int
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    # "env://" under torchrun / deepspeed: their agent may already host the rendezvous store
-    # on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), which a tcp:// init would collide with.
-    init_method: str | None = None
-
-    @property
-    def init_url(self) -> str:
-        return self.init_method or f"tcp://{self.master_addr}:{self.master_port}"
 
 
 def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:

@@ -9,7 +9,6 @@ import json
 import os
 import platform
 import subprocess
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -18,14 +17,13 @@ from omegaconf import OmegaConf
 
 from llm.config import Config
 from llm.data import build_train_loader, build_val_loader, prepare_data
+from llm.dist import RankEnv, gather_object, init_distributed
 from llm.errors import ConfigError
-from llm.launch import RankEnv
 from llm.logging import NullLogger, RunLogger
-from llm.loss_scale import build_loss_scaler
 from llm.models import build_model, flops_per_token, from_hf, materialize, num_params
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
-from llm.precision import apply_precision, resolve_precision
+from llm.precision import apply_precision, build_loss_scaler, resolve_precision
 from llm.recompute import apply_recompute
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import peak_flops
@@ -77,20 +75,6 @@ def hardware(device: torch.device) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_count"] = torch.cuda.device_count()
     return info
-
-
-def init_distributed(env: RankEnv, device: torch.device, backend: str, needed: bool) -> None:
-    if not needed or dist.is_initialized():
-        return
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method=env.init_url,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(minutes=10),
-    )
 
 
 def build_model_for(cfg: Config, vocab_size: int):
@@ -224,22 +208,14 @@ def _prepare_data_rank0_first(cfg: Config, env: RankEnv):
     return prepared if env.rank == 0 else prepare_data(cfg.data)
 
 
-def _gather(value):
-    if not dist.is_initialized():
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def _run_facts(
     cfg: Config, env: RankEnv, device: torch.device, summary: dict, args, dims, precision
 ) -> dict:
     return {
         # Per-rank figures are gathered so rank 0's summary holds every rank's.
-        "model_state_bytes": _gather(summary["model_state_bytes"]),
-        "comm_bytes_per_step": _gather(summary["comm_bytes_per_step"]),
-        "peak_memory_bytes": max(_gather(summary["peak_memory_bytes"])),
+        "model_state_bytes": gather_object(summary["model_state_bytes"]),
+        "comm_bytes_per_step": gather_object(summary["comm_bytes_per_step"]),
+        "peak_memory_bytes": max(gather_object(summary["peak_memory_bytes"])),
         "world_size": env.world_size,
         "dp_size": dims.dp_size,
         "strategy": cfg.parallelism.name,

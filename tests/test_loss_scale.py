@@ -13,10 +13,9 @@ from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig, PrecisionConfig
 from llm.errors import TrainingError
-from llm.loss_scale import LossScaler, LossScalerSettings, build_loss_scaler
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.single import SingleStrategy
-from llm.precision import resolve_precision
+from llm.precision import LossScaler, LossScalerSettings, build_loss_scaler, resolve_precision
 
 # Overflow (True) or clean (False) per step: growth after 3 clean steps (4 for DeepSpeed),
 # single and back-to-back overflows, an overflow between clean steps (hysteresis refills

@@ -4,18 +4,15 @@ import pytest
 import torch
 from torch import nn
 
-from llm.train.metrics import (
+from llm.memory import (
     ActivationMemoryCounter,
-    StepTimer,
     cuda_peak_bytes,
-    lookup_peak_flops,
-    mfu,
     model_state_bytes,
-    peak_flops,
     peak_rss_bytes,
     process_rss_bytes,
     storage_bytes,
 )
+from llm.train.metrics import StepTimer, lookup_peak_flops, mfu, peak_flops
 
 CPU = torch.device("cpu")
 

@@ -16,10 +16,9 @@ from helpers import compose_config
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from llm.config import OptimizerConfig, ParallelismConfig, PrecisionConfig
-from llm.loss_scale import build_loss_scaler
 from llm.models import build_model, materialize, model_args
 from llm.parallel import ParallelDims, build_strategy
-from llm.precision import resolve_precision
+from llm.precision import build_loss_scaler, resolve_precision
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed1", "deepspeed2", "deepspeed3"]
 

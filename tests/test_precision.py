@@ -16,10 +16,11 @@ from helpers import compose_config, read_metrics, run, small_run_overrides, trai
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from llm.bf16_update import RoundedUpdate
 from llm.errors import ConfigError
 from llm.launch import launch
+from llm.memory import model_state_bytes
 from llm.models import build_model, model_args
+from llm.optim import RoundedUpdate
 from llm.precision import (
     PrecisionPolicy,
     apply_fp8,
@@ -27,7 +28,6 @@ from llm.precision import (
     require_fp8,
     resolve_precision,
 )
-from llm.train.metrics import model_state_bytes
 
 CPU = torch.device("cpu")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -36,12 +36,12 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 @pytest.mark.parametrize(
     ("name", "dtypes", "loss_scaling", "rounding"),
     [
-        # (param, compute, reduce, optimizer state, master, working)
-        ("auto", (F32, F32, F32, F32, F32, F32), False, None),  # CPU: no bf16 autocast default
-        ("fp32", (F32, F32, F32, F32, F32, F32), False, None),
-        ("fp16", (F32, F16, F32, F32, F32, F16), True, None),
-        ("bf16", (F32, BF16, F32, F32, F32, BF16), False, None),
-        ("bf16_pure", (BF16, BF16, BF16, BF16, BF16, BF16), False, "stochastic"),
+        # (param, compute, reduce, master, working)
+        ("auto", (F32, F32, F32, F32, F32), False, None),  # CPU: no bf16 autocast default
+        ("fp32", (F32, F32, F32, F32, F32), False, None),
+        ("fp16", (F32, F16, F32, F32, F16), True, None),
+        ("bf16", (F32, BF16, F32, F32, BF16), False, None),
+        ("bf16_pure", (BF16, BF16, BF16, BF16, BF16), False, "stochastic"),
     ],
 )
 def test_policy_dtypes(name, dtypes, loss_scaling, rounding):
@@ -50,7 +50,6 @@ def test_policy_dtypes(name, dtypes, loss_scaling, rounding):
         p.param_dtype,
         p.compute_dtype,
         p.reduce_dtype,
-        p.optimizer_state_dtype,
         p.master_dtype,
         p.working_dtype,
     )
@@ -287,7 +286,7 @@ def test_apply_fp8_converts_block_linears_only():
     pytest.importorskip("torchao.float8")
     from torchao.float8.float8_linear import Float8Linear
 
-    fp8 = PrecisionPolicy("fp8", F32, BF16, F32, F32, fp8=True)  # resolve refuses a CPU
+    fp8 = PrecisionPolicy("fp8", F32, BF16, F32, fp8=True)  # resolve refuses a CPU
     model = tiny_model()
     model.layers[0].feed_forward.add_module("odd", nn.Linear(64, 24, device="meta"))
     converted = {n for n, m in apply_fp8(model, fp8).named_modules() if isinstance(m, Float8Linear)}

@@ -6,8 +6,8 @@ from torch import nn
 
 from llm.config import RecomputeConfig
 from llm.errors import ConfigError
+from llm.memory import ActivationMemoryCounter
 from llm.recompute import apply_recompute
-from llm.train.metrics import ActivationMemoryCounter
 
 D, N_LAYERS = 16, 4
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from llm.data.corpora import digest_of, file_stats, read_text, split_by_key, val_keys
+from llm.data.sources import digest_of, file_stats, read_text, split_by_key, val_keys
 from llm.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")

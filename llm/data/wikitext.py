@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from llm.data.corpora import digest_of, file_stats
+from llm.data.sources import digest_of, file_stats
 from llm.errors import DataError
 
 DEFAULT_HUB_ID = "Salesforce/wikitext"

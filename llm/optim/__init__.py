@@ -7,15 +7,18 @@ from llm.optim.factory import (
     param_groups,
     register_optimizer,
 )
+from llm.optim.rounded_update import RoundedUpdate, wrap_optimizer
 from llm.optim.schedule import SCHEDULES, build_scheduler, lr_multiplier
 
 __all__ = [
     "OPTIMIZERS",
     "SCHEDULES",
+    "RoundedUpdate",
     "build_optimizer",
     "build_scheduler",
     "lr_multiplier",
     "optimizer_for_groups",
     "param_groups",
     "register_optimizer",
+    "wrap_optimizer",
 ]

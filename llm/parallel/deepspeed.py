@@ -36,14 +36,14 @@ from torch import nn
 
 from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
-from llm.loss_scale import LossScaler, disabled_loss_scaler
+from llm.memory import storage_bytes
 from llm.optim import build_optimizer, param_groups
 from llm.parallel import ds_checkpoint as ckpt
 from llm.parallel.ds_config import checked_ds_config
 from llm.parallel.mesh import ParallelDims
-from llm.parallel.strategy import StepResult, register_strategy
-from llm.precision import PrecisionPolicy
-from llm.train.metrics import storage_bytes
+from llm.parallel.step import StepResult
+from llm.parallel.strategy import register_strategy
+from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 # Where DeepSpeed's ZeRO optimizers keep gradients between backward and step (stage 1/2:
 # the averaged fp32 partition; stage 2: the contiguous partition buffer; stage 3: its flat

@@ -18,8 +18,7 @@ import torch
 
 from llm.config import Config
 from llm.errors import ConfigError
-from llm.loss_scale import LossScalerSettings
-from llm.precision import PrecisionPolicy
+from llm.precision import LossScalerSettings, PrecisionPolicy
 
 # Keys whose explicit value must equal ours (dotted paths into the ds_config), with the name of
 # our setting for the error message.

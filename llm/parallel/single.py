@@ -1,14 +1,10 @@
-"""One process, the whole model: the reference every other strategy is checked against.
-
-Its step routine is shared by every strategy built on torch collectives: scale the loss,
-find overflow on any rank or shard with one all-reduce of the squared gradient norm,
-skip or unscale+clip+step, update the loss scaler.
-"""
+"""One process, the whole model: the reference every other strategy is checked against,
+and the base of the replica strategies (ddp, fsdp), which change only how gradients are
+synchronised. Its step is llm.parallel.step's overflow-checked step."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -16,13 +12,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from llm.config import OptimizerConfig, ParallelismConfig
-from llm.errors import TrainingError
-from llm.loss_scale import LossScaler, disabled_loss_scaler
-from llm.optim import build_optimizer
+from llm.memory import model_state_bytes
+from llm.optim import build_optimizer, wrap_optimizer
 from llm.parallel.mesh import ParallelDims
-from llm.parallel.strategy import StepResult, register_strategy
-from llm.precision import PrecisionPolicy, wrap_optimizer
-from llm.train.metrics import model_state_bytes
+from llm.parallel.step import StepResult, overflow_checked_step
+from llm.parallel.strategy import register_strategy
+from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 
 @register_strategy("single")
@@ -75,7 +70,7 @@ class SingleStrategy:
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-        self.optimizer = wrap_optimizer(build_optimizer(model, cfg), self.precision)
+        self.optimizer = wrap_optimizer(build_optimizer(model, cfg), self.precision.update_rounding)
         return self.optimizer
 
     def micro_batch(self, sync: bool):
@@ -88,44 +83,15 @@ class SingleStrategy:
         self.scaler.scale_loss(loss).backward()
 
     def clip_and_step(self, max_norm: float) -> StepResult:
-        grads = self.local_grads()
-        scale = self.scaler.scale
-        norm = self._global_grad_norm(grads)  # of the scaled gradients
-        if not math.isfinite(norm):
-            self._skip_step()
-            return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
-        norm /= scale
-        # Unscale and clip in one pass: g <- g / scale * min(1, max_norm / ||g / scale||).
-        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        if grads and clip / scale != 1.0:
-            torch._foreach_mul_(grads, clip / scale)
-        self.optimizer_step()
-        self.scaler.update(found_inf=False)
-        return StepResult(grad_norm=norm, loss_scale=scale)
-
-    def _global_grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """L2 norm over every rank's gradients; inf/nan on any rank or shard makes it
-        non-finite everywhere, which is how overflow is agreed without a second collective."""
-        if grads:
-            sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum()
-        else:
-            sq = torch.zeros((), device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            sq = sq.to(self.device)
-            dist.all_reduce(sq)
-            sq = sq / self.grad_replicas
-        return math.sqrt(float(sq))
-
-    def _skip_step(self) -> None:
-        self.scaler.update(found_inf=True)
-        if self.scaler.gave_up:
-            names = sorted({n for rank in _gather(self.nonfinite_grad_names()) for n in rank})
-            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-            raise TrainingError(
-                f"gradients overflowed {self.scaler.overflows_at_min_scale} steps in a row at "
-                f"loss scale {self.scaler.scale:g} (its minimum) in: {shown}; lower the "
-                "learning rate, use precision=bf16, or check the data for extreme values"
-            )
+        return overflow_checked_step(
+            self.local_grads(),
+            max_norm,
+            self.scaler,
+            self.optimizer_step,
+            self.nonfinite_grad_names,
+            self.device,
+            self.grad_replicas,
+        )
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -150,11 +116,3 @@ class SingleStrategy:
 
     def comm(self) -> dict[str, int]:
         return {}
-
-
-def _gather(value) -> list:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out

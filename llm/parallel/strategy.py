@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,16 +21,9 @@ from torch import nn
 
 from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
-from llm.loss_scale import LossScaler
 from llm.parallel.mesh import ParallelDims
-from llm.precision import PrecisionPolicy
-
-
-@dataclass
-class StepResult:
-    grad_norm: float  # the global L2 norm before clipping
-    skipped: bool = False  # True when the step was not applied (overflow)
-    loss_scale: float = 1.0
+from llm.parallel.step import StepResult
+from llm.precision import LossScaler, PrecisionPolicy
 
 
 class Strategy(Protocol):

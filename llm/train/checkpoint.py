@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from llm.dist import barrier, global_rank
 from llm.errors import CheckpointError
 
 # One process without a process group is a supported DCP mode; its warning is noise here.
@@ -37,15 +37,6 @@ warnings.filterwarnings(
 META = "meta.json"
 TRAINER = "trainer.pt"
 PREFIX = "step_"
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def rng_state() -> dict:
@@ -85,19 +76,19 @@ class Checkpointer:
     def save(self, step: int, strategy, trainer_state: dict) -> Path:
         final = self.directory / f"{PREFIX}{step:06d}"
         tmp = self.directory / f".{final.name}.tmp"
-        if _rank() == 0:
+        if global_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         dcp.save(strategy.state_dict(), checkpoint_id=str(tmp))
-        torch.save(rng_state(), tmp / f"rng_rank{_rank()}.pt")
-        _barrier()
-        if _rank() == 0:
+        torch.save(rng_state(), tmp / f"rng_rank{global_rank()}.pt")
+        barrier()
+        if global_rank() == 0:
             torch.save(trainer_state, tmp / TRAINER)
             self._write_meta(tmp, step)
             self._replace(tmp, final)
             self._prune()
-        _barrier()
+        barrier()
         return final
 
     def _write_meta(self, tmp: Path, step: int) -> None:
@@ -147,7 +138,7 @@ class Checkpointer:
         except Exception as exc:  # DCP raises many kinds; all mean this checkpoint is unusable
             raise CheckpointError(self._unusable(path, f"{type(exc).__name__}: {exc}")) from exc
         strategy.load_state_dict(state)
-        rng = path / f"rng_rank{_rank()}.pt"
+        rng = path / f"rng_rank{global_rank()}.pt"
         # RNG streams belong to ranks; with another world size they cannot be matched up.
         if meta["world_size"] == self.world_size and rng.is_file():
             set_rng_state(torch.load(rng, weights_only=False))

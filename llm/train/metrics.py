@@ -1,148 +1,15 @@
-"""Measurement helpers the Trainer calls once per step: memory, throughput, MFU, timing.
-
-Everything here counts what exists (tensor storages, saved activations, allocator and RSS
-peaks) rather than estimating it, so ZeRO and recompute claims can be checked on CPU.
-"""
+"""Measurement helpers the Trainer calls once per step: throughput, MFU, timing. Memory
+is measured in llm.memory."""
 
 from __future__ import annotations
 
 import re
-import resource
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import psutil
 import torch
-from torch import nn
-
-# A weak, hashable handle on a storage keyed by its StorageImpl address. While we hold it
-# the address cannot be reused, so two handles are equal exactly when the storages are one.
-# Unlike data_ptr() it also tells apart meta storages, which all have data_ptr 0.
-from torch.multiprocessing.reductions import StorageWeakRef
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed support
-    DTensor = None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The shard this rank holds: a DTensor's local tensor, any other tensor itself."""
-    if DTensor is not None and isinstance(t, DTensor):
-        return t.to_local()
-    return t
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors: the local shard).
-
-    Views, tied weights and params packed into one flat buffer count once, and a view counts
-    its whole storage: that is what stays allocated. ``None`` is skipped. Meta tensors count
-    the bytes their storage will take once materialised, so a model can be sized before it
-    exists.
-    """
-    seen: set[StorageWeakRef] = set()
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = _local(t).untyped_storage()
-        ref = StorageWeakRef(storage)
-        if ref not in seen:
-            seen.add(ref)
-            total += storage.nbytes()
-    return total
-
-
-def model_state_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, int]:
-    """Bytes this rank holds for params, grads and optimizer states, from tensor storages.
-
-    Optimizer states are every tensor in ``optimizer.state`` (AdamW's exp_avg, exp_avg_sq
-    and its scalar ``step`` tensors alike); non-tensor entries (plain-float steps) hold no
-    device memory and are skipped.
-    """
-    params = list(model.parameters())
-    states = []
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            states.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return {
-        "params": storage_bytes(params),
-        "grads": storage_bytes(p.grad for p in params),
-        "optimizer_states": storage_bytes(states),
-    }
-
-
-class ActivationMemoryCounter:
-    """Counts bytes of tensors autograd saves for backward while the context is open.
-
-    Use around a forward pass: ``with ActivationMemoryCounter() as c: loss = model(x)``, then
-    ``c.bytes``. Each storage counts once (a saved view and its base, or one input saved by
-    two ops, are one allocation). Parameters saved by matmuls are counted too, since autograd
-    keeps them alive for backward; subtract ``model_state_bytes()["params"]`` if you only
-    want activations. Inside a non-reentrant checkpointed block torch installs its own hooks,
-    so only what the checkpoint really keeps (the block inputs) reaches this counter.
-    """
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._seen: set[StorageWeakRef] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = _local(t).untyped_storage()
-        ref = StorageWeakRef(storage)
-        if ref not in self._seen:
-            self._seen.add(ref)
-            self.bytes += storage.nbytes()
-        # detach: handing back the tensor itself would tie an op's output to its own
-        # grad_fn in a reference cycle; the detached alias shares storage and version counter.
-        return t.detach()
-
-    @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def __enter__(self) -> ActivationMemoryCounter:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-
-def process_rss_bytes() -> int:
-    """The resident set size of this process now."""
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss_bytes() -> int:
-    """The highest RSS this process has reached since it started (it cannot be reset)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    peak = peak if sys.platform == "darwin" else peak * 1024
-    # Linux folds its RSS counters into the high-water mark lazily, so ru_maxrss can trail
-    # the current RSS by a few hundred KiB; a peak below the present is never right.
-    return max(peak, process_rss_bytes())
-
-
-def cuda_peak_bytes(device: torch.device) -> int | None:
-    """The CUDA allocator's peak allocated bytes since the last reset; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device)
-
-
-def reset_peak(device: torch.device) -> None:
-    """Start a new CUDA peak window; a no-op elsewhere (the RSS peak is lifetime-wide)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
 
 # Dense (no 2:4 sparsity) peak FLOP/s from the vendor datasheets; the "with sparsity" figures
 # there are twice these. Keys are matched as whole words against torch.cuda.get_device_name,

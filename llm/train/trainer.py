@@ -14,14 +14,10 @@ import torch.nn.functional as F
 
 from llm.config import Config
 from llm.data import IGNORE
-from llm.parallel.strategy import StepResult
+from llm.memory import cuda_peak_bytes, peak_rss_bytes
+from llm.parallel.step import StepResult
 from llm.train.checkpoint import Checkpointer
-from llm.train.metrics import (
-    StepTimer,
-    cuda_peak_bytes,
-    mfu,
-    peak_rss_bytes,
-)
+from llm.train.metrics import StepTimer, mfu
 from llm.train.monitor import Monitor
 
 

@@ -24,7 +24,8 @@ from torch import nn
 
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
-from llm.optim import optimizer_for_groups, param_groups
+from llm.memory import storage_bytes
+from llm.optim import optimizer_for_groups, param_groups, wrap_optimizer
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
 from llm.parallel.zero import state
@@ -32,8 +33,6 @@ from llm.parallel.zero.buffers import BucketBuffers
 from llm.parallel.zero.collectives import all_gather, reduce_scatter
 from llm.parallel.zero.gather import UnitGatherer
 from llm.parallel.zero.layout import build_buckets
-from llm.precision import wrap_optimizer
-from llm.train.metrics import storage_bytes
 
 
 class ZeroStrategy(SingleStrategy):
@@ -107,7 +106,9 @@ class ZeroStrategy(SingleStrategy):
                 f"parallelism=zero{self.stage}: a rank owns no slice of some parameter group "
                 f"at world size {self.world}; lower the world size or use parallelism=ddp"
             )
-        self.optimizer = wrap_optimizer(optimizer_for_groups(groups, cfg), self.precision)
+        self.optimizer = wrap_optimizer(
+            optimizer_for_groups(groups, cfg), self.precision.update_rounding
+        )
         # Norm-based optimizers (LAMB) need whole-parameter norms of sharded pieces.
         self.optimizer.whole_param_norms = self.whole_param_norms
         return self.optimizer

@@ -25,7 +25,6 @@ class PrecisionPolicy:
     param_dtype: torch.dtype  # what the optimizer updates (master weights)
     compute_dtype: torch.dtype  # what matmuls run in (autocast)
     reduce_dtype: torch.dtype  # what gradients are all-reduced in
-    optimizer_state_dtype: torch.dtype
     allow_tf32: bool = False
     master_dtype: torch.dtype = torch.float32  # the weights the optimizer updates
     loss_scaling: bool = False  # fp16: gradients underflow without a loss scale
@@ -72,13 +71,13 @@ def resolve_precision(
     if name == "auto":
         name = "bf16" if bf16_supported(device) else "fp32"
     if name == "fp32":
-        return PrecisionPolicy("fp32", f32, f32, f32, f32)
+        return PrecisionPolicy("fp32", f32, f32, f32)
     if name == "tf32":
         if device.type != "cuda":
             raise ConfigError(
                 "precision=tf32 needs an NVIDIA GPU (Ampere or newer); use precision=fp32"
             )
-        return PrecisionPolicy("tf32", f32, f32, f32, f32, allow_tf32=True)
+        return PrecisionPolicy("tf32", f32, f32, f32, allow_tf32=True)
     if (
         name in ("bf16", "bf16_pure", "fp8")
         and device.type == "cuda"
@@ -87,18 +86,18 @@ def resolve_precision(
         raise ConfigError(f"precision={name}: this GPU has no bf16; use precision=fp16 or fp32")
     if name == "fp16":
         # fp32 master weights, fp16 matmuls, gradients scaled so they do not underflow.
-        return PrecisionPolicy("fp16", f32, f16, f32, f32, allow_tf32=True, loss_scaling=True)
+        return PrecisionPolicy("fp16", f32, f16, f32, allow_tf32=True, loss_scaling=True)
     if name == "bf16":
         # fp32 master weights, gradients reduced in fp32: autocast casts only the compute.
-        return PrecisionPolicy("bf16", f32, bf16, f32, f32, allow_tf32=True)
+        return PrecisionPolicy("bf16", f32, bf16, f32, allow_tf32=True)
     if name == "bf16_pure":
         # No fp32 copy anywhere: the update is rounded so small steps still land.
         return PrecisionPolicy(
-            "bf16_pure", bf16, bf16, bf16, bf16, master_dtype=bf16, update_rounding=update_rounding
+            "bf16_pure", bf16, bf16, bf16, master_dtype=bf16, update_rounding=update_rounding
         )
     if name == "fp8":
         require_fp8(device)
-        return PrecisionPolicy("fp8", f32, bf16, f32, f32, allow_tf32=True, fp8=True)
+        return PrecisionPolicy("fp8", f32, bf16, f32, allow_tf32=True, fp8=True)
     raise ConfigError(
         f"precision={name!r} is unknown; choose one of auto, fp32, tf32, fp16, bf16, bf16_pure, fp8"
     )
@@ -140,13 +139,3 @@ def apply_fp8(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
 def _fp8_eligible(module: nn.Module, fqn: str) -> bool:
     out_features, in_features = module.weight.shape
     return fqn != "output" and out_features % 16 == 0 and in_features % 16 == 0
-
-
-def wrap_optimizer(optimizer: torch.optim.Optimizer, policy: PrecisionPolicy):
-    """The optimizer as the policy needs it: unchanged, except under bf16_pure, where the
-    update is applied with stochastic rounding or Kahan compensation."""
-    if policy.update_rounding is None:
-        return optimizer
-    from llm.bf16_update import RoundedUpdate
-
-    return RoundedUpdate(optimizer, policy.update_rounding)

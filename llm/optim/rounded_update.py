@@ -136,3 +136,12 @@ def _stochastic_round_(x: torch.Tensor) -> torch.Tensor:
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)
     x.view(torch.int32).add_(noise).bitwise_and_(_LOW_16_BITS_CLEARED)
     return x
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, update_rounding: str | None):
+    """The optimizer as a precision policy needs it: unchanged, except under bf16_pure
+    (``update_rounding`` set), where the update is applied with stochastic rounding or Kahan
+    compensation."""
+    if update_rounding is None:
+        return optimizer
+    return RoundedUpdate(optimizer, update_rounding)

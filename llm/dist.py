@@ -1,0 +1,64 @@
+"""One rank's view of the world: who it is (RankEnv), joining the process group, and the
+small object collectives the run and the strategies share. The environment is read by
+llm.launch, which hands a RankEnv here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    # "env://" under torchrun / deepspeed: their agent may already host the rendezvous store
+    # on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), which a tcp:// init would collide with.
+    init_method: str | None = None
+
+    @property
+    def init_url(self) -> str:
+        return self.init_method or f"tcp://{self.master_addr}:{self.master_port}"
+
+
+def init_distributed(env: RankEnv, device: torch.device, backend: str, needed: bool) -> None:
+    """Join the process group (nccl on GPU, gloo on CPU for backend="auto")."""
+    if not needed or dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=env.init_url,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(minutes=10),
+    )
+
+
+def is_multi_rank() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def gather_object(value, group: dist.ProcessGroup | None = None) -> list:
+    """``value`` from every rank of ``group``, in rank order (just [value] alone)."""
+    if not is_multi_rank():
+        return [value]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -1,0 +1,30 @@
+"""Precision: policies (which dtype holds, computes and reduces what) and our dynamic loss
+scaler."""
+
+from llm.precision.loss_scale import (
+    LossScaler,
+    LossScalerSettings,
+    build_loss_scaler,
+    disabled_loss_scaler,
+)
+from llm.precision.policy import (
+    PrecisionPolicy,
+    apply_fp8,
+    apply_precision,
+    bf16_supported,
+    require_fp8,
+    resolve_precision,
+)
+
+__all__ = [
+    "LossScaler",
+    "LossScalerSettings",
+    "PrecisionPolicy",
+    "apply_fp8",
+    "apply_precision",
+    "bf16_supported",
+    "build_loss_scaler",
+    "disabled_loss_scaler",
+    "require_fp8",
+    "resolve_precision",
+]
