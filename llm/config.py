@@ -43,6 +43,9 @@ class ModelConfig:
     n_kv_heads: int | None = None
     d_ff: int | None = None
     dropout: float = 0.0
+    # Globs over parameter names (fnmatch), e.g. ["tok_embeddings.*", "layers.0.*"]: frozen
+    # parameters get no gradient, no optimizer state and no update under every strategy.
+    freeze: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -91,6 +94,14 @@ class ParallelismConfig:
     replicate: int = 1
     # deepspeed: a user's ds_config.json; its "auto" values are filled from our config.
     deepspeed_config: str | None = None
+    # zero2/zero3: full-size gradient buckets whose reduce-scatter may be in flight at once
+    # (as DeepSpeed's reduce_bucket_size bounds it); a bucket's buffer is freed once its
+    # reduce-scatter completes, so peak gradient bytes are 2Φ/N plus this many buckets.
+    buckets_in_flight: int = 2
+    # Count the bytes handed to each collective (comm() and summary.json). Off by default:
+    # counting hooks (and DeepSpeed's comms logger, which synchronises every collective)
+    # distort step time.
+    count_comm: bool = False
 
     def __post_init__(self) -> None:
         _require_choice("parallelism", "name", self.name, STRATEGY_NAMES)
@@ -154,6 +165,9 @@ class PrecisionConfig:
     max_overflows_at_min_scale: int = 3
     # bf16_pure: how an update smaller than a bf16 ulp still reaches the weight.
     update_rounding: str = "stochastic"  # stochastic | kahan
+    # What gradients are reduced in across data-parallel ranks: None is the policy's own
+    # (fp32 under fp16/bf16 mixed precision); fp32 | bf16 | fp16 to override.
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _require_choice(
@@ -317,6 +331,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
     deterministic: bool = False
+    # When the peak-memory tracker runs: on logged steps (default; it costs step time),
+    # every step, or off.
+    memory_tracking: str = "logged"  # logged | every_step | off
 
     def __post_init__(self) -> None:
         _require_positive(
