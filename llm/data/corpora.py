@@ -19,8 +19,6 @@ from llm.data.sources import digest_of, file_stats, read_text, split_by_key
 from llm.data.wikitext import WikitextCorpus
 from llm.errors import ConfigError
 
-SPLITS = ("train", "val")
-
 
 class Corpus(Protocol):
     name: str
