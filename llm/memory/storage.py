@@ -22,7 +22,7 @@ except ImportError:  # torch built without distributed support
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds: a DTensor's local tensor, any other tensor itself."""
     if DTensor is not None and isinstance(t, DTensor):
-        return t.tolocal_shard()
+        return t.to_local()
     return t
 
 
