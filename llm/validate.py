@@ -89,7 +89,7 @@ def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device)
     if name == "fsdp":
         from llm.parallel.fsdp import refuse_impossible
 
-        refuse_impossible(cfg.parallelism.replicate, dp, precision)
+        refuse_impossible(cfg.parallelism.replicate, dp)
     if name == "deepspeed":  # the generated (or filled-in) ds_config, with its refusals
         from llm.parallel.ds_config import checked_ds_config
 
