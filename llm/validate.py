@@ -66,11 +66,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             "use parallelism=ddp or launcher.nproc_per_node=1"
         )
     _validate_strategy(cfg, nproc, precision, device)
-    if cfg.scheduler.warmup_steps >= cfg.train.max_steps:
-        raise ConfigError(
-            f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be below "
-            f"train.max_steps={cfg.train.max_steps}; lower the warmup"
-        )
     if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).exists():
         raise ConfigError(
             f"checkpoint.resume={cfg.checkpoint.resume} does not exist; give an existing "

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from llm.config import Config
 from llm.data import IGNORE
 from llm.memory import cuda_peak_bytes, peak_rss_bytes
+from llm.optim import warmup_note
 from llm.parallel.step import StepResult
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import StepTimer, mfu
@@ -182,6 +183,8 @@ class Trainer:
         )
         timer = StepTimer(self.device)
         last = t.stop_at_step or t.max_steps
+        if note := warmup_note(self.cfg.scheduler, t.max_steps):
+            self.logger.info(note)
         self.model.train()
         with StopRequested() as stop:
             while self.state.step < last:
