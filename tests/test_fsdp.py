@@ -36,6 +36,7 @@ def fsdp_run(tmp_path, name, text_corpus, cache_dir, ranks, *extra, accumulate=1
         f"train.micro_batch_size={8 // (ranks * accumulate)}",
         f"train.grad_accum_steps={accumulate}",
         f"train.max_steps={STEPS}",
+        "parallelism.count_comm=true",  # opt-in; the tests below read comm_bytes_per_step
         *extra,
     )
 
@@ -254,7 +255,10 @@ def test_fsdp_bf16_pure_matches_single_process(tmp_path, text_corpus, cache_dir)
         f"train.max_steps={STEPS}",
         *pure,
     )
-    summary, out = fsdp_run(tmp_path, "fsdp", text_corpus, cache_dir, 2, *pure)
+    summary, out = fsdp_run(
+        tmp_path, "fsdp", text_corpus, cache_dir, 2, *pure, "parallelism.count_comm=false"
+    )
+    assert summary["comm_bytes_per_step"] == [{}, {}]  # counting is opt-in
     ref, got = train_losses(single_out), train_losses(out)
     # Measured at most 1e-4 relative over 20 steps.
     for step in ref:

@@ -48,7 +48,7 @@ def test_accumulation_equals_large_batch_with_unequal_documents(tmp_path, line_d
 
 
 def test_ddp_two_ranks_equals_single_process(tmp_path, text_corpus, cache_dir):
-    steps = ("train.max_steps=20", "train.log_every=1")
+    steps = ("train.max_steps=20", "train.log_every=1", "parallelism.count_comm=true")
     single, out_single = run(
         tmp_path, "single", text_corpus, cache_dir, "train.micro_batch_size=8", *steps
     )
@@ -89,6 +89,7 @@ def test_ddp_skips_all_reduce_inside_accumulation(tmp_path, text_corpus, cache_d
         "train.micro_batch_size=2",
         "train.grad_accum_steps=3",
         "train.max_steps=3",
+        "parallelism.count_comm=true",
     )
     params = acc["model_state_bytes"][0]["params"]
     # One all-reduce of all gradients per optimizer step, not one per micro-batch.

@@ -11,6 +11,9 @@ keeps them until backward ends (ZeRO-2-like). ``parallelism.replicate > 1`` is H
 ranks form a (replicate, shard) mesh, parameters are sharded within a row and gradients
 reduce-scattered there, then all-reduced across the replicas.
 
+With ``parallelism.count_comm`` every collective goes through the counting comm objects of
+llm/parallel/comm_counter.py; without it FSDP2 uses its own.
+
 Under fp16/bf16 the gathered parameters (and thus the compute and activations) are 16-bit
 while the sharded parameters, gradients and optimizer states keep ``param_dtype``; gradients
 are reduced in ``reduce_dtype``. Under bf16_pure the shards themselves are bf16 and the
@@ -108,7 +111,8 @@ class FSDPStrategy(SingleStrategy):
         fully_shard(model, reshard_after_forward=False, **shard)
         if self.cfg.prefetch:
             _prefetch_neighbours(model, blocks)
-        count_fsdp_collectives(model, self.counter, hsdp=self.cfg.replicate > 1)
+        if self.cfg.count_comm:
+            count_fsdp_collectives(model, self.counter, hsdp=self.cfg.replicate > 1)
         self.model = model
         return model
 
