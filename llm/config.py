@@ -150,7 +150,7 @@ class ParallelismConfig:
 @dataclass
 class PrecisionConfig:
     name: str = "auto"  # auto | fp32 | tf32 | fp16 | bf16 | bf16_pure | fp8
-    # Dynamic loss scaling (fp16): a preset's defaults (REFERENCE.md), each overridable.
+    # Dynamic loss scaling (fp16): a preset's defaults (docs/references.md), each overridable.
     loss_scaler: str = "deepspeed"  # deepspeed | megatron | torch
     static_loss_scale: float = 0.0  # > 0: a fixed scale (as DeepSpeed's loss_scale; 0 = dynamic)
     initial_scale: float | None = None

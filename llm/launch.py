@@ -38,11 +38,11 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
             master_port=int(env.get("MASTER_PORT", 29500)),
             init_method="env://",
         )
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+    if _srun_step_tasks(env) > 1:
         return RankEnv(
             rank=int(env["SLURM_PROCID"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
-            world_size=int(env["SLURM_NTASKS"]),
+            world_size=_srun_step_tasks(env),
             master_addr=env.get("MASTER_ADDR") or _slurm_first_host(env),
             # Every task must agree on the port without talking: derive it from the job id.
             master_port=int(
@@ -50,6 +50,23 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
             ),
         )
     return None
+
+
+# Slurm numbers the steps srun starts from 0; its special steps (the batch script's, the
+# extern step, salloc's interactive step) take the ids from 0xFFFFFFFA up.
+_FIRST_SPECIAL_STEP_ID = 0xFFFFFFFA
+
+
+def _srun_step_tasks(env) -> int:
+    """How many tasks srun started in the job step this process is one of; 0 when srun did
+    not start it. Only srun's tasks are ranks: a shell inside ``salloc`` and an ``sbatch``
+    script also see the allocation's SLURM_NTASKS (and SLURM_PROCID=0), but a plain
+    ``python train.py`` there is one process, not rank 0 of n. srun sets SLURM_STEP_ID (and
+    the older SLURM_STEPID) for its tasks; the batch script's step gets none."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
+    if not step.isdigit() or int(step) >= _FIRST_SPECIAL_STEP_ID or "SLURM_PROCID" not in env:
+        return 0
+    return int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
 
 
 def _slurm_first_host(env) -> str:

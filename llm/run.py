@@ -21,7 +21,14 @@ from llm.dist import RankEnv, gather_object, init_distributed
 from llm.errors import ConfigError
 from llm.logging import NullLogger, RunLogger
 from llm.memory import PeakTracker
-from llm.models import build_model, flops_per_token, from_hf, materialize, num_params
+from llm.models import (
+    build_model,
+    causal_flops_per_token,
+    flops_per_token,
+    from_hf,
+    materialize,
+    num_params,
+)
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import apply_precision, build_loss_scaler, resolve_precision
@@ -189,7 +196,10 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
         val_loader=val_loader,
         logger=logger,
         checkpointer=checkpointer,
-        flops_per_token=flops_per_token(args, cfg.data.seq_len),
+        flops_per_token={
+            "mfu": flops_per_token(args, cfg.data.seq_len),
+            "mfu_causal": causal_flops_per_token(args, cfg.data.seq_len),
+        },
         peak_flops=peak_flops(device, precision.flops_dtype),
         device=device,
         tracker=tracker,

@@ -66,11 +66,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             "use parallelism=ddp or launcher.nproc_per_node=1"
         )
     _validate_strategy(cfg, nproc, precision, device)
-    if cfg.scheduler.warmup_steps >= cfg.train.max_steps:
-        raise ConfigError(
-            f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be below "
-            f"train.max_steps={cfg.train.max_steps}; lower the warmup"
-        )
     if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).exists():
         raise ConfigError(
             f"checkpoint.resume={cfg.checkpoint.resume} does not exist; give an existing "
@@ -89,7 +84,7 @@ def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device)
     if name == "fsdp":
         from llm.parallel.fsdp import refuse_impossible
 
-        refuse_impossible(cfg.parallelism.replicate, dp, precision)
+        refuse_impossible(cfg.parallelism.replicate, dp)
     if name == "deepspeed":  # the generated (or filled-in) ds_config, with its refusals
         from llm.parallel.ds_config import checked_ds_config
 

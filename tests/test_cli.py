@@ -64,6 +64,7 @@ def test_run_writes_summary_metrics_and_wandb_offline(tmp_path, text_corpus, cac
         "final_val_loss",
         "tokens_per_sec",
         "mfu",
+        "mfu_causal",
         "peak_memory_bytes",
         "model_state_bytes",
         "comm_bytes_per_step",
@@ -74,6 +75,7 @@ def test_run_writes_summary_metrics_and_wandb_offline(tmp_path, text_corpus, cac
     ):
         assert key in summary, key
     assert summary["steps"] == 6 and summary["world_size"] == 1 and summary["mfu"] is None
+    assert summary["mfu_causal"] is None
     assert set(summary["model_state_bytes"][0]) == {"params", "grads", "optimizer_states"}
     assert (
         summary["model_state_bytes"][0]["optimizer_states"]

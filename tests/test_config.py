@@ -74,7 +74,6 @@ def test_every_experiment_composes(experiment):
         (["launcher.nproc_per_node=2"], "parallelism=single runs one process"),
         (["checkpoint.resume=/does/not/exist"], "checkpoint.resume=/does/not/exist does not exist"),
         (["model.init_from=/does/not/exist"], "model.init_from=/does/not/exist is not a directory"),
-        (["scheduler.warmup_steps=500", "train.max_steps=100"], "must be below train.max_steps"),
         (["data=files"], "data=files needs data.path"),
         (["model.name=gpt5"], "gpt5"),
         (["parallelism.tp_size=2"], "not implemented yet"),
@@ -84,6 +83,11 @@ def test_impossible_configs_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         validate(compose_config(BASE + overrides))
     assert "\n" not in str(err.value)  # one line
+
+
+def test_a_short_run_with_the_default_warmup_is_accepted():
+    # The default warmup (30 steps) is clamped to the run rather than refused.
+    validate(compose_config([*BASE, "train.max_steps=6"]))
 
 
 def test_unknown_option_is_a_hydra_error():
@@ -126,17 +130,54 @@ def test_launcher_env_detection():
         "n1",
         1234,
     )
-    slurm = {
-        "SLURM_NTASKS": "4",
+
+
+# What a process sees inside a 4-task allocation (salloc -n 4, or sbatch -n 4).
+ALLOCATION = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_NNODES": "1"}
+
+
+def test_srun_tasks_are_ranks():
+    srun = {
+        **ALLOCATION,
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEPID": "0",
+        "SLURM_STEP_NUM_TASKS": "4",
         "SLURM_PROCID": "2",
-        "SLURM_LOCALID": "0",
+        "SLURM_LOCALID": "2",
         "MASTER_ADDR": "h0",
-        "SLURM_JOB_ID": "77",
     }
-    env = external_rank_env(slurm)
-    assert (env.rank, env.world_size, env.master_addr, env.master_port) == (2, 4, "h0", 20077)
-    # One Slurm task (e.g. submitit with tasks_per_node=1) is not a distributed launch.
-    assert external_rank_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+    env = external_rank_env(srun)
+    assert (env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port) == (
+        2,
+        2,
+        4,
+        "h0",
+        20077,
+    )
+    # A step of 2 tasks in the 4-task allocation (srun -n 2) is a world of 2.
+    assert external_rank_env({**srun, "SLURM_STEP_NUM_TASKS": "2"}).world_size == 2
+    # Older Slurm sets only SLURM_STEPID.
+    old = {k: v for k, v in srun.items() if k not in ("SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS")}
+    assert external_rank_env(old).world_size == 4
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        # salloc's shell: the allocation's variables, no job step.
+        ALLOCATION,
+        # an sbatch script (the batch step): SLURM_PROCID=0 too, still no srun step.
+        {**ALLOCATION, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"},
+        # salloc's interactive step (LaunchParameters=use_interactive_step): a special id.
+        {**ALLOCATION, "SLURM_STEP_ID": str(0xFFFFFFFA), "SLURM_PROCID": "0"},
+        # one srun task (e.g. submitit with tasks_per_node=1): not a distributed launch.
+        {**ALLOCATION, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"},
+    ],
+    ids=["salloc-shell", "sbatch-script", "interactive-step", "one-srun-task"],
+)
+def test_a_plain_process_in_an_allocation_is_not_a_rank(env):
+    # It spawns launcher.nproc_per_node local ranks itself instead of waiting for 3 peers.
+    assert external_rank_env(env) is None
 
 
 def test_wandb_mode_is_offline_without_credentials(monkeypatch, tmp_path):

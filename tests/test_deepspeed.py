@@ -23,7 +23,8 @@ from helpers import (
 from llm.launch import launch
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ("train.max_steps=20", "train.log_every=1")
+# Counting is opt-in: these tests read comm_bytes_per_step.
+STEPS = ("train.max_steps=20", "train.log_every=1", "parallelism.count_comm=true")
 # ZeRO-2 gets a small reduce bucket (13,056 fp32 elements, a tenth of gpt2-tiny): several
 # buckets per backward, so its gradient memory shows as partition + bucket. ZeRO-3 keeps the
 # default: with small buckets its many tiny gathers make the run about 3x longer.
@@ -174,7 +175,12 @@ def test_zero_stage_0_one_rank_resumes_in_process(tmp_path, text_corpus, cache_d
 def cli_overrides(corpus: Path, cache: Path) -> list[str]:
     # Without output_dir: each rank's Hydra makes a run directory and rank 0's is the run's.
     small = small_run_overrides(Path("unused"), corpus, cache, "train.max_steps=3")
-    return [*small[1:], "parallelism=deepspeed", "parallelism.zero_stage=2"]
+    return [
+        *small[1:],
+        "parallelism=deepspeed",
+        "parallelism.zero_stage=2",
+        "parallelism.count_comm=true",
+    ]
 
 
 def single_summary(cwd: Path) -> dict:

@@ -64,7 +64,9 @@ def test_generated_config_carries_our_groups():
     assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
     assert zero["stage3_param_persistence_threshold"] == 640  # Hugging Face's 10 * hidden
     assert not ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
-    assert ds["comms_logger"]["enabled"]
+    # The comms logger syncs after every collective: on only when counting is asked for.
+    assert not ds["comms_logger"]["enabled"]
+    assert ds_config("parallelism.count_comm=true")["comms_logger"]["enabled"]
     # Optimizers DeepSpeed does not build are handed over as client optimizers.
     assert "optimizer" not in ds_config("optimizer=sgd")
 
@@ -123,7 +125,7 @@ def test_user_config_auto_values_are_filled_from_ours():
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 640
     # The user's own settings are kept; what we measure with is added.
     assert ds["zero_optimization"]["stage3_max_live_parameters"] == 10**9
-    assert ds["comms_logger"]["enabled"]
+    assert not ds["comms_logger"]["enabled"]
     # Below stage 3 the stage-3 "auto" keys are left out: DeepSpeed's defaults apply.
     low = ds_config(f"parallelism.deepspeed_config={example}", "parallelism.zero_stage=1")
     assert "stage3_prefetch_bucket_size" not in low["zero_optimization"]

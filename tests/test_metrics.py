@@ -98,15 +98,19 @@ def test_mfu_arithmetic():
     assert mfu(1000.0, 6e9, None) is None
 
 
-def test_step_timer_splits_data_wait_from_the_step():
-    ticks = iter([0.0, 1.0, 1.5, 2.0, 2.25, 4.0])
+def test_step_timer_splits_data_wait_from_the_step_and_reads_late():
+    ticks = iter([0.0, 1.0, 1.5, 2.0, 2.25, 4.0, 5.0, 5.5, 6.0, 8.0])
     timer = StepTimer(CPU, clock=lambda: next(ticks))
     with timer.step():  # starts at 0.0
         with timer.data():  # 1.0 -> 1.5
             pass
         with timer.data():  # 2.0 -> 2.25
             pass
-    # ends at 4.0
-    assert timer.last.step_time_s == 4.0
-    assert timer.last.data_wait_s == 0.75
-    assert timer.last.data_wait_share == pytest.approx(0.1875)
+    # ends at 4.0; a second step from 5.0 to 8.0 waits 0.5 for data
+    with timer.step(), timer.data():
+        pass
+    first, second = timer.collect()  # both steps, read together
+    assert (first.step_time_s, first.data_wait_s) == (4.0, 0.75)
+    assert first.data_wait_share == pytest.approx(0.1875)
+    assert (second.step_time_s, second.data_wait_s) == (3.0, 0.5)
+    assert timer.collect() == []  # each step is read once

@@ -11,6 +11,7 @@ from llm.errors import ConfigError
 from llm.models import (
     MODEL_SHAPES,
     build_model,
+    causal_flops_per_token,
     flops_per_token,
     materialize,
     model_args,
@@ -49,14 +50,20 @@ def test_published_parameter_counts():
 
 def test_flops_per_token_by_hand():
     a = MODEL_SHAPES["gpt2-small"]
-    n_matmul = 85_056_000 + 50257 * 768  # body + output projection (tied, still a matmul)
-    attn = 6 * 12 * 1024 * 768  # 12 * L * T * d halved for causal
-    assert flops_per_token(a, 1024) == 6 * n_matmul + attn == 798_543_360
-    # GQA keeps the attention term (queries keep n_heads) and shrinks N by the k/v projections.
+    # N: body + output projection (tied, still a matmul) = nanoGPT's
+    # get_num_params(non_embedding=True), which drops only the position table.
+    n_matmul = 85_056_000 + 50257 * 768
+    assert n_matmul == num_params(a) - 1024 * 768 == 123_653_376
+    # nanoGPT's estimate_mfu / PaLM: 6N + 12 * L * H * Q * T, every score counted.
+    assert flops_per_token(a, 1024) == 6 * n_matmul + 12 * 12 * 12 * 64 * 1024 == 855_166_464
+    # What a causal kernel computes: position i scores i + 1 keys, (T + 1) / 2 on average.
+    assert causal_flops_per_token(a, 1024) == 6 * n_matmul + 6 * 12 * 1025 * 768 == 798_598_656
+    # GQA keeps the attention terms (queries keep n_heads) and shrinks N by the k/v projections.
     mha = model_args("llama-tiny", n_kv_heads=4)
     gqa = model_args("llama-tiny")  # n_kv_heads=2, head_dim 16
     saved_params = gqa.n_layers * 2 * gqa.d_model * (4 - 2) * gqa.head_dim
-    assert flops_per_token(mha, 128) - flops_per_token(gqa, 128) == 6 * saved_params
+    for count in (flops_per_token, causal_flops_per_token):
+        assert count(mha, 128) - count(gqa, 128) == 6 * saved_params
 
 
 def test_model_args_overrides_and_errors():

@@ -10,7 +10,14 @@ from torch import nn
 
 from llm.config import OptimizerConfig, SchedulerConfig
 from llm.errors import ConfigError
-from llm.optim import OPTIMIZERS, build_optimizer, build_scheduler, lr_multiplier
+from llm.optim import (
+    OPTIMIZERS,
+    build_optimizer,
+    build_scheduler,
+    clamped_warmup,
+    lr_multiplier,
+    warmup_note,
+)
 
 
 class TinyLM(nn.Module):
@@ -157,12 +164,23 @@ def test_cosine_curve_formula():
     assert lr_multiplier(25, cfg, 100) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
 
 
-def test_warmup_not_shorter_than_run_is_refused():
-    opt = build_optimizer(TinyLM(), OptimizerConfig())
-    with pytest.raises(
-        ConfigError, match=r"scheduler.warmup_steps=100 must be < train.max_steps=100"
-    ):
-        build_scheduler(opt, _sched("cosine", warmup_steps=100), max_steps=100)
+@pytest.mark.parametrize(("warmup", "max_steps", "used"), [(100, 100, 10), (30, 6, 0), (5, 6, 5)])
+def test_warmup_longer_than_the_run_is_clamped_to_a_tenth(warmup, max_steps, used):
+    assert clamped_warmup(warmup, max_steps) == used
+    opt = build_optimizer(TinyLM(), OptimizerConfig(lr=1.0))
+    sched = build_scheduler(opt, _sched("constant", warmup_steps=warmup), max_steps=max_steps)
+    lrs = []
+    for _ in range(max_steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # The ramp ends at step `used`: full lr from there on.
+    assert lrs[used:] == [1.0] * (max_steps - used) and all(lr < 1.0 for lr in lrs[:used])
+    note = warmup_note(_sched("cosine", warmup_steps=warmup), max_steps)
+    if used == warmup:
+        assert note is None
+    else:
+        assert f"warming up for {used} steps" in note and "\n" not in note
 
 
 def test_scheduler_drives_lr_and_round_trips_through_state_dict():

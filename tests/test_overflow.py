@@ -18,8 +18,10 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from llm.config import OptimizerConfig, ParallelismConfig, PrecisionConfig
 from llm.models import build_model, materialize, model_args
 from llm.parallel import ParallelDims, build_strategy
-from llm.precision import build_loss_scaler, resolve_precision
+from llm.parallel.step import overflow_checked_step
+from llm.precision import build_loss_scaler, disabled_loss_scaler, resolve_precision
 
+CPU = torch.device("cpu")
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed1", "deepspeed2", "deepspeed3"]
 
 
@@ -128,3 +130,20 @@ def test_overflow_on_one_rank_skips_everywhere(name):
             assert scales == [1.0, 1.0], rank
         else:  # torch preset: no hysteresis, so each overflow halves the scale at once
             assert scales == [2.0**16, 2.0**14], rank
+
+
+def test_clipping_happens_on_the_device_and_the_norm_is_returned_unread():
+    grads = [torch.tensor([3.0]), torch.tensor([4.0])]  # global norm 5
+    steps = []
+    result = overflow_checked_step(
+        grads, 1.0, disabled_loss_scaler(), lambda: steps.append(1), list, CPU, grad_replicas=1
+    )
+    assert isinstance(result.grad_norm, torch.Tensor) and result.grad_norm.item() == 5.0
+    torch.testing.assert_close(torch.cat(grads), torch.tensor([0.6, 0.8]))  # clipped to norm 1
+    assert steps == [1] and not result.skipped
+    # A non-finite gradient: the step is skipped and the gradients are left as they were.
+    grads = [torch.tensor([math.inf]), torch.tensor([4.0])]
+    result = overflow_checked_step(
+        grads, 1.0, disabled_loss_scaler(), lambda: steps.append(1), list, CPU, grad_replicas=1
+    )
+    assert result.skipped and steps == [1] and grads[1].item() == 4.0

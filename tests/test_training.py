@@ -15,6 +15,7 @@ from helpers import (
     train_losses,
 )
 
+from llm.data import IGNORE, build_train_loader, prepare_data
 from llm.launch import launch
 
 
@@ -39,10 +40,15 @@ def test_accumulation_equals_large_batch_with_unequal_documents(tmp_path, line_d
     # fp32 sums in another order: weights agree to float rounding, not bitwise.
     assert_close_weights(final_weights(out_big), final_weights(out_acc), rtol=1e-4, atol=1e-6)
     assert acc["final_val_loss"] == pytest.approx(big["final_val_loss"], rel=1e-5)
+    # tokens_seen (and tokens/s) count target tokens, not padding: the loader's, 5 steps of 8.
+    cfg = compose_config(small_run_overrides(out_big, line_docs, cache_dir, *common))
+    loader = build_train_loader(prepare_data(cfg.data), cfg.data, 8, 0, 1, cfg.train.seed)
+    targets = sum(int((next(loader)[1] != IGNORE).sum()) for _ in range(5))
+    assert big["tokens_seen"] == acc["tokens_seen"] == targets < 5 * 8 * cfg.data.seq_len
 
 
 def test_ddp_two_ranks_equals_single_process(tmp_path, text_corpus, cache_dir):
-    steps = ("train.max_steps=20", "train.log_every=1")
+    steps = ("train.max_steps=20", "train.log_every=1", "parallelism.count_comm=true")
     single, out_single = run(
         tmp_path, "single", text_corpus, cache_dir, "train.micro_batch_size=8", *steps
     )
@@ -83,6 +89,7 @@ def test_ddp_skips_all_reduce_inside_accumulation(tmp_path, text_corpus, cache_d
         "train.micro_batch_size=2",
         "train.grad_accum_steps=3",
         "train.max_steps=3",
+        "parallelism.count_comm=true",
     )
     params = acc["model_state_bytes"][0]["params"]
     # One all-reduce of all gradients per optimizer step, not one per micro-batch.

@@ -36,22 +36,44 @@ def num_params(args: ModelArgs, *, exclude_embeddings: bool = False) -> int:
     return body + tables
 
 
+def _matmul_params(args: ModelArgs) -> int:
+    """N of the 6N term: every weight a token is multiplied by (see flops_per_token)."""
+    return num_params(args, exclude_embeddings=True) + args.vocab_size * args.d_model
+
+
+def _attention_width(args: ModelArgs) -> int:
+    """n_heads * head_dim: the query width, which sets the attention FLOPs whatever the
+    number of key/value heads (GQA shares k/v between query heads, each still scores)."""
+    return args.n_heads * args.head_dim
+
+
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) at sequence length ``seq_len``.
+    """Training FLOPs per token (forward + backward) at sequence length ``seq_len``, by the
+    convention of the MFU figures we compare against (PaLM, Chowdhery et al. 2022, appendix
+    B; nanoGPT's ``estimate_mfu``; torchtitan):
 
-        flops = 6 * N + 6 * n_layers * seq_len * d_model
+        flops = 6 * N + 12 * n_layers * seq_len * d_attn      (d_attn = n_heads * head_dim)
 
-    Dense part (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, appendix B; Chinchilla,
-    Hoffmann et al. 2022, appendix F): a matmul with N weights costs 2N per token forward and
-    4N backward. N = non-embedding parameters plus the output projection (V * d_model, counted
-    whether or not it is tied, since it is a matmul either way); the token and position
-    lookups are not matmuls and are left out. Norm gains and biases ride along in N (<0.1%).
+    Dense part (Kaplan et al. 2020; Chinchilla, Hoffmann et al. 2022, appendix F): a matmul
+    with N weights costs 2N per token forward and 4N backward. N = non-embedding parameters
+    plus the output projection (V * d_model, counted whether or not it is tied, since it is a
+    matmul either way); the token and position lookups are not matmuls and are left out.
+    Norm gains and biases ride along in N (<0.1%).
 
-    Attention part: per token and layer the forward pass computes QK^T and AV, each
-    2 * seq_len * head_dim * n_heads = 2 * seq_len * d_model FLOPs, so 4 * L * T * d forward and
-    12 * L * T * d for training (PaLM's term). Causal masking lets a kernel skip half the
-    scores, so we count half: 6 * L * T * d. With grouped-query attention the queries still
-    have n_heads heads, so this term does not change; the smaller k/v projections shrink N.
+    Attention part: per token and layer the forward pass computes QK^T and AV against all
+    ``seq_len`` keys, each 2 * seq_len * d_attn FLOPs, so 4 * L * T * d_attn forward and
+    12 * L * T * d_attn for training. The convention counts every score, although a causal
+    kernel skips the masked half (:func:`causal_flops_per_token` counts what it computes).
+    With grouped-query attention the queries keep n_heads heads, so this term does not
+    change; the smaller k/v projections shrink N.
     """
-    n_matmul = num_params(args, exclude_embeddings=True) + args.vocab_size * args.d_model
-    return 6.0 * n_matmul + 6.0 * args.n_layers * seq_len * args.d_model
+    return 6.0 * _matmul_params(args) + 12.0 * args.n_layers * seq_len * _attention_width(args)
+
+
+def causal_flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token that a causal kernel actually computes: the token at
+    position i (0-based) scores i + 1 keys, (T + 1) / 2 on average, so the attention term
+    is 6 * L * (T + 1) * d_attn, a little over half the convention's (:func:`flops_per_token`).
+    """
+    attention = 6.0 * args.n_layers * (seq_len + 1) * _attention_width(args)
+    return 6.0 * _matmul_params(args) + attention

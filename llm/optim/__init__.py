@@ -8,7 +8,13 @@ from llm.optim.factory import (
     register_optimizer,
 )
 from llm.optim.rounded_update import RoundedUpdate, wrap_optimizer
-from llm.optim.schedule import SCHEDULES, build_scheduler, lr_multiplier
+from llm.optim.schedule import (
+    SCHEDULES,
+    build_scheduler,
+    clamped_warmup,
+    lr_multiplier,
+    warmup_note,
+)
 
 __all__ = [
     "OPTIMIZERS",
@@ -16,9 +22,11 @@ __all__ = [
     "RoundedUpdate",
     "build_optimizer",
     "build_scheduler",
+    "clamped_warmup",
     "lr_multiplier",
     "optimizer_for_groups",
     "param_groups",
     "register_optimizer",
+    "warmup_note",
     "wrap_optimizer",
 ]

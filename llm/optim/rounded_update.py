@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from llm.errors import ConfigError
 
@@ -36,11 +37,15 @@ class RoundedUpdate:
     wrapper object would have to mirror ``param_groups`` and ``state``, which
     ``load_state_dict`` replaces.
 
-    ``step`` upcasts each bf16 param that has a gradient, its gradient and its floating
-    state tensors to fp32, runs the optimizer's own step, then writes the param back to bf16
-    with the chosen rounding and the state tensors with round-to-nearest (into the same
-    storages, so params that are views of a flat buffer stay views). Params of other dtypes
-    are stepped untouched.
+    ``step`` gives each bf16 param that has a gradient an fp32 shadow: a fresh leaf tensor
+    holding the weight (plus Kahan's compensation), with the gradient and the floating state
+    tensors upcast beside it. The shadows stand in for the params in ``param_groups`` and
+    own their state while the optimizer's own step runs; then each shadow is written back
+    into its param in place (``copy_``, with the chosen rounding) and the states are rounded
+    to nearest into their old bf16 storages. The params are never touched otherwise, least
+    of all their ``.data``: a param stays the very tensor DDP's reducer and FSDP's hooks are
+    attached to, and a param that is a view of a flat buffer stays a view. Params of other
+    dtypes are stepped untouched.
 
     Memory: between steps a bf16 param costs 2 bytes, its gradient 2, each state tensor 2
     (AdamW: 4 in all, Kahan 2 more). During ``step`` every such param additionally holds fp32
@@ -70,52 +75,60 @@ class RoundedUpdate:
             # Evaluated here, on the bf16 weights, rather than by the inner step on fp32 ones.
             with torch.enable_grad():
                 loss = closure()
-        pieces = [
-            p
+        shadows = {
+            p: self._shadow(p)
             for group in self.param_groups
             for p in group["params"]
             if p.grad is not None and p.dtype == torch.bfloat16
-        ]
-        saved = [self._upcast(p) for p in pieces]
-        super().step()
-        for p, (weight, grad, states) in zip(pieces, saved, strict=True):
-            self._write_back(p, weight, grad, states)
+        }
+        originals = [group["params"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["params"] = [shadows.get(p, p) for p in group["params"]]
+        try:
+            super().step()
+        finally:
+            for group, params in zip(self.param_groups, originals, strict=True):
+                group["params"] = params
+        for p, shadow in shadows.items():
+            self._write_back(p, shadow)
         return loss
 
     # The base class's step already runs the optimizer's step hooks; this flag stops
     # Optimizer._patch_step_function (called again by load_state_dict) wrapping ours too.
     step.hooked = True
 
-    def _upcast(self, p: torch.Tensor):
-        """Put fp32 copies of ``p``, its gradient and its state in place; return the bf16
-        originals to restore."""
-        state = self.state[p]
-        states = {k: v for k, v in state.items() if _rounded_state(k, v)}
-        for k, v in states.items():
-            state[k] = v.float()
-        weight, grad = p.data, p.grad
-        full = weight.float()
+    def _shadow(self, p: torch.Tensor) -> torch.Tensor:
+        """An fp32 leaf with ``p``'s value, its gradient and its state, upcast."""
+        state = self.state.pop(p, {})
+        full = p.detach().float()
         if "kahan_comp" in state:
             full += state["kahan_comp"]  # the weight as the last step left it, before rounding
-        p.data = full  # .data keeps p the same object, so optimizer.state[p] still finds it
-        p.grad = grad.float()
-        return weight, grad, states
+        full.grad = p.grad.float()
+        # p's entry keeps its bf16 tensors, for write-back to round into their storages.
+        self.state[p] = {k: v for k, v in state.items() if _rounded_state(k, v)}
+        self.state[full] = {
+            k: v.float() if _rounded_state(k, v) else v
+            for k, v in state.items()
+            if k != "kahan_comp"
+        }
+        return full
 
-    def _write_back(self, p: torch.Tensor, weight, grad, states) -> None:
-        full = p.data  # (fp32) the optimizer's result
-        state = self.state[p]
+    def _write_back(self, p: torch.Tensor, shadow: torch.Tensor) -> None:
+        full = _local(shadow)  # (fp32) the optimizer's result; a DTensor's own shard
+        weight = _local(p)
+        old, state = self.state.pop(p), self.state.pop(shadow)
         if self.update_rounding == "stochastic":
             weight.copy_(_stochastic_round_(full))
         else:
             # Kahan's compensated sum y = u + c; t = w + y; c = y - (t - w), with the update
             # u = full - (w + c) already added by the step: t = bf16(full), c = full - t.
             weight.copy_(full)
-            state["kahan_comp"] = full.sub_(weight)
-        p.data, p.grad = weight, grad
+            state["kahan_comp"] = shadow.sub_(p)
         for k, v in list(state.items()):
             if _rounded_state(k, v) and v.dtype != torch.bfloat16:
                 # Round to nearest: into the old storage, or a new bf16 tensor on the first step.
-                state[k] = states[k].copy_(v) if k in states else v.to(torch.bfloat16)
+                state[k] = old[k].copy_(v) if k in old else v.to(torch.bfloat16)
+        self.state[p] = state
 
 
 @functools.cache
@@ -127,6 +140,11 @@ def _rounded_state(key, value) -> bool:
     # torch's own rule (Optimizer.load_state_dict): floating state follows the param's dtype,
     # except "step", which stays fp32 so it counts exactly.
     return key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds the values: a DTensor's local shard, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _stochastic_round_(x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,10 @@ Every schedule shares one warmup, nanoGPT's: optimizer step ``s < warmup_steps``
 lr 0 is wasted) and step ``warmup_steps`` reaches 1. After warmup each schedule maps its
 progress to a multiplier; past ``max_steps`` it holds its final value.
 
+A warmup that does not fit the run (``warmup_steps >= max_steps``, as the default 30 steps
+in a 6-step smoke run) is clamped to a tenth of the run, ``max_steps // 10`` (none under 10
+steps), rather than refused: :func:`clamped_warmup` says so, and the Trainer logs it.
+
 LambdaLR calls the multiplier with the number of ``scheduler.step()`` calls so far, so the
 k-th optimizer step (0-based) uses ``multiplier(k)`` when the loop steps the scheduler after
 the optimizer. Its state_dict (the step count) is what checkpoints carry; the functions are
@@ -14,6 +18,7 @@ from the config it was started with, not from the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -74,18 +79,32 @@ def lr_multiplier(step: int, cfg: SchedulerConfig, max_steps: int) -> float:
     return SCHEDULES[cfg.name](step, cfg, max_steps)
 
 
+def clamped_warmup(warmup_steps: int, max_steps: int) -> int:
+    """The warmup a run of ``max_steps`` uses: ``warmup_steps`` when it leaves steps after
+    it, else a tenth of the run (``max_steps // 10``)."""
+    return warmup_steps if warmup_steps < max_steps else max_steps // 10
+
+
+def warmup_note(cfg: SchedulerConfig, max_steps: int) -> str | None:
+    """One line for the log when the configured warmup was clamped to the run, else None."""
+    warmup = clamped_warmup(cfg.warmup_steps, max_steps)
+    if warmup == cfg.warmup_steps:
+        return None
+    return (
+        f"scheduler.warmup_steps={cfg.warmup_steps} does not fit train.max_steps={max_steps}: "
+        f"warming up for {warmup} steps (a tenth of the run) instead"
+    )
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR that scales every param group's lr by :func:`lr_multiplier`."""
+    """A LambdaLR that scales every param group's lr by :func:`lr_multiplier`, with the
+    warmup clamped to the run (:func:`clamped_warmup`)."""
     if cfg.name not in SCHEDULES:
         raise ConfigError(
             f"scheduler.name={cfg.name!r} is unknown; choose one of {', '.join(SCHEDULES)}"
         )
-    if cfg.warmup_steps >= max_steps:
-        raise ConfigError(
-            f"scheduler.warmup_steps={cfg.warmup_steps} must be < train.max_steps={max_steps}; "
-            "lower scheduler.warmup_steps or raise train.max_steps"
-        )
+    cfg = dataclasses.replace(cfg, warmup_steps=clamped_warmup(cfg.warmup_steps, max_steps))
     fn = functools.partial(lr_multiplier, cfg=cfg, max_steps=max_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

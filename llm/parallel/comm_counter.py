@@ -1,4 +1,5 @@
 """Count the bytes of collectives that a library issues itself (FSDP2 here), per kind.
+Installed only with ``parallelism.count_comm``; otherwise FSDP2 runs its own collectives.
 
 Payload convention, shared with ddp.py's count: the full-size tensor each collective works
 on, per rank: the all-gather OUTPUT, the reduce-scatter INPUT, the all-reduce buffer. A ring

@@ -1,5 +1,7 @@
 """Data parallel with torch's DistributedDataParallel: a full replica per rank, gradients
-all-reduced in buckets during backward (averaged over ranks), skipped inside accumulation."""
+all-reduced in buckets during backward (averaged over ranks), skipped inside accumulation.
+With parallelism.count_comm a comm hook counts each bucket before DDP's own all-reduce;
+without it DDP runs its built-in reduction untouched."""
 
 from collections import Counter
 
@@ -30,7 +32,8 @@ class DDPStrategy(SingleStrategy):
             # Gradients live inside the buckets: no second copy of every gradient.
             gradient_as_bucket_view=True,
         )
-        ddp.register_comm_hook(self.dims.dp_group(), self._counting_allreduce)
+        if self.cfg.count_comm:
+            ddp.register_comm_hook(self.dims.dp_group(), self._counting_allreduce)
         self.model = ddp
         return ddp
 

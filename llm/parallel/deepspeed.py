@@ -13,7 +13,8 @@ The engine is built from a ds_config generated from our groups (or a user's file
   ``gradient_clipping`` (train.grad_clip, fixed when the engine is built).
 - the optimizer our scheduler drives is the torch optimizer inside the engine, whose param
   groups DeepSpeed steps: the lr our LambdaLR writes there is the lr DeepSpeed applies.
-- comm() reads DeepSpeed's comms logger (enabled in every config we hand over).
+- comm() reads DeepSpeed's comms logger, enabled with parallelism.count_comm only (it
+  synchronises the device after every collective); {} otherwise.
 - state_tensors() names what the engine holds now (working params and ZeRO-3 partitions,
   module and master .grad and ZeRO's gradient partitions, fp32 master partitions and
   moments). The peak tracker (llm/memory/peak.py) reads it at the same moments for every
@@ -151,6 +152,9 @@ class DeepSpeedStrategy:
         )
         # The torch optimizer DeepSpeed steps (over its fp32 partitions under ZeRO).
         self.inner = self.engine.basic_optimizer
+        # The logger is a process-wide object that deepspeed.initialize switches on but
+        # never off: an earlier engine in this process (a sweep, a test) may have left it on.
+        ds_comm.comms_logger.enabled = self.cfg.count_comm
         self._sent_before = self._comm_totals()  # the engine's start-up broadcasts are no step's
         return self.engine
 
@@ -263,7 +267,9 @@ class DeepSpeedStrategy:
     def comm(self) -> dict[str, int]:
         """Payload bytes per collective kind since the last call: the full-size tensor each
         collective operates on, per rank (an all-gather counts its output, a reduce-scatter
-        its input), as DDP's all-reduce counts its bucket."""
+        its input), as DDP's all-reduce counts its bucket. {} unless parallelism.count_comm."""
+        if not self.cfg.count_comm:
+            return {}
         totals = self._comm_totals()
         sent = {k: v - self._sent_before[k] for k, v in totals.items() if v > self._sent_before[k]}
         self._sent_before = totals

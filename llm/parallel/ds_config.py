@@ -44,13 +44,14 @@ REQUIRED = (
     "fp16",
     "bf16",
 )
-# DeepSpeed reports to us: it must count collectives (comm()) and must not print its own
-# progress lines between ours.
-MEASURING = {
-    "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
-    "steps_per_print": 2**31 - 1,
-    "wall_clock_breakdown": False,
-}
+# DeepSpeed reports to us: it must not print its own progress lines between ours.
+QUIET = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+
+
+def comms_logger(count_comm: bool) -> dict:
+    """DeepSpeed's comms logger counts collectives for comm(), and synchronises the device
+    after every one of them to time it: on only with parallelism.count_comm."""
+    return {"enabled": count_comm, "verbose": False, "prof_all": True, "debug": False}
 
 
 def bucket_elements(bucket_cap_mb: float, dtype: torch.dtype) -> int:
@@ -126,7 +127,8 @@ def generate(cfg: Config, dp_size: int, precision: PrecisionPolicy, on_gpu: bool
         "zero_optimization": zero_section(cfg, precision, on_gpu, d_model),
         # Our registry's other optimizers (sgd, ...) are handed over as client optimizers.
         "zero_allow_untested_optimizer": True,
-        **MEASURING,
+        **QUIET,
+        "comms_logger": comms_logger(cfg.parallelism.count_comm),
     }
     if o.name == "adamw":
         # DeepSpeed builds it so that ZeRO-Offload gets its CPU Adam; elsewhere torch's AdamW,
@@ -244,8 +246,10 @@ def build_ds_config(
     filled = fill_auto(load_user_config(path), ours, path)
     # What the data loader, the Trainer and the precision policy do is fixed by our config:
     # a file that leaves these out gets ours, not DeepSpeed's defaults.
-    for key in (*REQUIRED, *MEASURING):
+    for key in (*REQUIRED, *QUIET):
         filled.setdefault(key, ours[key])
+    # comm() reads the comms logger: whether it runs (and syncs) is parallelism.count_comm's.
+    filled["comms_logger"] = ours["comms_logger"]
     filled.setdefault("zero_optimization", {}).setdefault("stage", cfg.parallelism.zero_stage)
     if "optimizer" in filled and not on_gpu:
         # DeepSpeed's default Adam is a fused CUDA op; without a GPU use torch's (or CPU Adam

@@ -11,9 +11,14 @@ keeps them until backward ends (ZeRO-2-like). ``parallelism.replicate > 1`` is H
 ranks form a (replicate, shard) mesh, parameters are sharded within a row and gradients
 reduce-scattered there, then all-reduced across the replicas.
 
+With ``parallelism.count_comm`` every collective goes through the counting comm objects of
+llm/parallel/comm_counter.py; without it FSDP2 uses its own.
+
 Under fp16/bf16 the gathered parameters (and thus the compute and activations) are 16-bit
 while the sharded parameters, gradients and optimizer states keep ``param_dtype``; gradients
-are reduced in ``reduce_dtype``. The step routine (norm, overflow, clip) is SingleStrategy's,
+are reduced in ``reduce_dtype``. Under bf16_pure the shards themselves are bf16 and the
+optimizer's rounded update (llm/optim/rounded_update.py) steps fp32 shadows of them, written
+back into each DTensor's local shard. The step routine (norm, overflow, clip) is SingleStrategy's,
 run on local shards.
 """
 
@@ -37,7 +42,6 @@ from llm.errors import ConfigError
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
-from llm.precision import PrecisionPolicy
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -45,20 +49,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def refuse_impossible(replicate: int, dp_size: int, precision: PrecisionPolicy) -> None:
+def refuse_impossible(replicate: int, dp_size: int) -> None:
     """Setups FSDP cannot run, refused by llm.validate before any rank starts (and here,
     for callers that build the strategy directly)."""
     if dp_size % replicate:
         raise ConfigError(
             f"parallelism.replicate={replicate} (HSDP) must divide the {dp_size} data-parallel "
             "ranks; change parallelism.replicate or launcher.nproc_per_node"
-        )
-    if precision.update_rounding is not None:
-        # bf16_pure's rounded step swaps each param's .data for an fp32 copy; on a DTensor
-        # that changes the wrapper's dtype but not its local shard, so AdamW breaks.
-        raise ConfigError(
-            f"precision={precision.name} cannot step FSDP's DTensor shards yet; use "
-            "precision=bf16 (bf16 compute and gathers, fp32 shards) with parallelism=fsdp"
         )
 
 
@@ -68,7 +65,7 @@ class FSDPStrategy(SingleStrategy):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        refuse_impossible(self.cfg.replicate, self.dims.dp_size, self.precision)
+        refuse_impossible(self.cfg.replicate, self.dims.dp_size)
         self.counter = CommCounter()
 
     def _mesh(self) -> DeviceMesh:
@@ -114,7 +111,8 @@ class FSDPStrategy(SingleStrategy):
         fully_shard(model, reshard_after_forward=False, **shard)
         if self.cfg.prefetch:
             _prefetch_neighbours(model, blocks)
-        count_fsdp_collectives(model, self.counter, hsdp=self.cfg.replicate > 1)
+        if self.cfg.count_comm:
+            count_fsdp_collectives(model, self.counter, hsdp=self.cfg.replicate > 1)
         self.model = model
         return model
 

@@ -2,14 +2,14 @@
 
 One all-reduce of the squared gradient norm finds both the clipping norm and overflow: an
 inf or nan on any rank or shard makes the sum non-finite everywhere, so every rank skips the
-same step without a second collective. Then unscale and clip in one pass, step, and update
-the loss scaler. A strategy composes this function with what it knows: which gradients it
+same step without a second collective. Then unscale and clip in one pass (the clip
+coefficient a device tensor), step, and update the loss scaler. The step reads one value on
+the host, whether the norm is finite (``overflow_checked_step`` says why). A strategy composes this function with what it knows: which gradients it
 holds, how many ranks hold each element, and how to step.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +23,10 @@ from llm.precision import LossScaler
 
 @dataclass
 class StepResult:
-    grad_norm: float  # the global L2 norm before clipping
+    # The global L2 norm before clipping: a 0-d tensor on the step's device from the
+    # overflow-checked step (the Trainer reads it on logged steps only), a float from
+    # DeepSpeed's engine.
+    grad_norm: torch.Tensor | float
     skipped: bool = False  # True when the step was not applied (overflow)
     loss_scale: float = 1.0
 
@@ -33,9 +36,10 @@ def global_grad_norm(
     device: torch.device,
     grad_replicas: int,
     group: dist.ProcessGroup | None = None,
-) -> float:
-    """L2 norm over every rank's gradients. ``grad_replicas``: how many ranks hold each
-    element (the world size for replicas, 1 when gradients are sharded)."""
+) -> torch.Tensor:
+    """L2 norm over every rank's gradients, a 0-d fp32 tensor on ``device``, not read on the
+    host. ``grad_replicas``: how many ranks hold each element (the world size for replicas,
+    1 when gradients are sharded)."""
     if grads:
         sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum()
     else:
@@ -46,7 +50,7 @@ def global_grad_norm(
         sq = sq.to(device)
         dist.all_reduce(sq, group=group)
         sq = sq / grad_replicas
-    return math.sqrt(float(sq))
+    return sq.sqrt()
 
 
 def overflow_checked_step(
@@ -59,19 +63,31 @@ def overflow_checked_step(
     grad_replicas: int,
     group: dist.ProcessGroup | None = None,
 ) -> StepResult:
-    """Skip the step on overflow, else unscale + clip ``grads`` in place and ``step()``."""
+    """Skip the step on overflow, else unscale + clip ``grads`` in place and ``step()``.
+
+    One host read remains: whether the norm is finite, which decides whether ``step()`` runs
+    at all, and is the loss scaler's input (fp16: backing off or growing the scale is a host
+    decision, as in ``torch.amp.GradScaler``, which reads ``found_inf`` too). Without loss
+    scaling it still guards the weights: a skipped step leaves weights and optimizer state
+    unchanged, which no device-side masking of a generic optimizer's update can promise
+    (AdamW would still decay the weights and its moments). Unscaling and clipping stay on the
+    device: the clip coefficient is a tensor, and the norm is returned unread.
+    """
     scale = scaler.scale
     norm = global_grad_norm(grads, device, grad_replicas, group)  # of the scaled gradients
-    if not math.isfinite(norm):
+    if not torch.isfinite(norm).item():  # the one host sync of the step
         scaler.update(found_inf=True)
         if scaler.gave_up:
             raise _overflow_error(scaler, nonfinite_names())
         return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
-    norm /= scale
-    # g <- g / scale * min(1, max_norm / ||g / scale||), one pass over the gradients.
-    clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-    if grads and clip / scale != 1.0:
-        torch._foreach_mul_(grads, clip / scale)
+    norm = norm / scale
+    if grads and (max_norm > 0 or scale != 1.0):
+        # g <- g / scale * min(1, max_norm / ||g / scale||), one pass over the gradients.
+        coef = torch.full_like(norm, 1.0 / scale)
+        if max_norm > 0:
+            coef = coef * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        # An offloaded optimizer's gradients are on the host: the factor follows them there.
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     step()
     scaler.update(found_inf=False)
     return StepResult(grad_norm=norm, loss_scale=scale)

@@ -1,5 +1,5 @@
 """Our dynamic loss scaler (Micikevicius et al., 2018), with the DeepSpeed, Megatron-LM and
-torch presets from REFERENCE.md.
+torch presets of docs/references.md.
 
 fp16 gradients of small losses underflow; multiplying the loss by ``scale`` before backward
 lifts them into range, and dividing the gradients by it before the step undoes that. When
@@ -21,7 +21,7 @@ import torch
 
 from llm.config import PrecisionConfig
 
-# REFERENCE.md, "Dynamic loss-scaler defaults". torch's GradScaler has no hysteresis and no
+# docs/references.md, "Mixed precision and loss scaling". torch's GradScaler has no hysteresis and no
 # floor; min_scale 0 means none. growth_offset is no config field: it is how each library
 # counts, and a preset is only faithful with its own (see LossScalerSettings).
 _HALVE_OR_DOUBLE = dict(growth_factor=2.0, backoff_factor=0.5)  # all three agree on these

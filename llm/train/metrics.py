@@ -92,14 +92,17 @@ class StepTiming:
 
 
 class StepTimer:
-    """Wall time per optimizer step and the part of it spent waiting for batches.
+    """Time per optimizer step and the part of it spent waiting for batches, read late.
 
     ``with timer.step():`` brackets the whole step (all micro-batches); inside it,
-    ``with timer.data():`` brackets each ``next(batches)``. On CUDA the step boundaries
-    synchronise first, because kernels run asynchronously and the clock would otherwise stop
-    before the GPU does. Data waits are not synchronised: forcing a sync there would remove
-    the CPU/GPU overlap being measured, so ``data_wait_s`` is host time blocked in the loader,
-    an upper bound on the GPU's stall. ``last`` holds the latest finished step.
+    ``with timer.data():`` brackets each ``next(batches)``. Nothing here waits for the GPU
+    while steps run: on CUDA each step boundary records an event in the stream, and
+    ``collect()``, called on logged steps only, waits for the last one and reads every step
+    finished since the previous call. An event marks when the GPU reaches that point, so a
+    step's time is the GPU's from the start of its work to the end of it, idle gaps waiting
+    for the host included. On CPU the clock is read at the boundaries. Data waits are host
+    time blocked in the loader (no sync there either: that would remove the CPU/GPU overlap
+    being measured), an upper bound on the GPU's stall.
     """
 
     def __init__(
@@ -107,24 +110,38 @@ class StepTimer:
     ) -> None:
         self.device = device
         self.clock = clock
-        self.last: StepTiming | None = None
+        self._pending: list[tuple[object, object, float]] = []  # (start, end, data wait)
         self._data_wait = 0.0
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _mark(self):
+        if self.device.type != "cuda":
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        self._sync()
         self._data_wait = 0.0
-        start = self.clock()
+        start = self._mark()
         yield
-        self._sync()
-        self.last = StepTiming(self.clock() - start, self._data_wait)
+        self._pending.append((start, self._mark(), self._data_wait))
 
     @contextmanager
     def data(self) -> Iterator[None]:
         start = self.clock()
         yield
         self._data_wait += self.clock() - start
+
+    def collect(self) -> list[StepTiming]:
+        """Every step finished since the last call, oldest first. On CUDA this waits for the
+        GPU to finish the last of them: call it where the host syncs anyway."""
+        done, self._pending = self._pending, []
+        return [StepTiming(_elapsed_s(start, end), wait) for start, end, wait in done]
+
+
+def _elapsed_s(start, end) -> float:
+    if not isinstance(end, torch.cuda.Event):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3  # milliseconds

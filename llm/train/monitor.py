@@ -1,7 +1,8 @@
 """Threshold alerts on the training metrics, and a hard stop on NaN/inf.
 
-The Trainer calls ``Monitor.check(step, metrics)`` after each optimizer step and logs the
-alert strings it returns; a non-finite loss or grad norm raises TrainingError instead, since
+The Trainer calls ``Monitor.check(step, metrics)`` for each optimizer step, when it reads the
+steps' results (on logged steps: up to ``train.log_every`` steps later), and logs the alert
+strings it returns; a non-finite loss or grad norm raises TrainingError instead, since
 every step after it is wasted compute.
 """
 

@@ -1,5 +1,12 @@
 """The training loop. It never branches on the strategy: everything parallel goes through
-the strategy protocol (llm/parallel/strategy.py)."""
+the strategy protocol (llm/parallel/strategy.py).
+
+Steps that are not logged do not wait for the device: the loss, the global target-token
+count, the stop vote, the gradient norm and the step time stay on the device (CUDA events
+for the time) and are read together, in one host sync, on logged steps, before a checkpoint
+and at the end (``_read_pending``). The monitor then checks every step read. The one read a
+step still makes is the overflow check's (llm/parallel/step.py).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from llm.config import Config
 from llm.data import IGNORE
 from llm.dist import gather_object
 from llm.memory import PeakTracker, peak_rss_bytes
+from llm.optim import warmup_note
 from llm.parallel.step import StepResult
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import StepTimer, mfu
@@ -25,7 +33,7 @@ from llm.train.monitor import Monitor
 @dataclass
 class TrainState:
     step: int = 0
-    tokens_seen: int = 0
+    tokens_seen: int = 0  # target tokens (padding excluded) of every global batch so far
     last_loss: float | None = None
     last_val_loss: float | None = None
     tokens_per_sec: list[float] = field(default_factory=list)
@@ -42,17 +50,39 @@ def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))  # capped: exp of a diverged loss overflows
 
 
-def _all_reduce_sum(values: list, device: torch.device) -> list[float]:
-    """Sum floats or 0-d tensors over ranks in one collective (one host sync)."""
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+def _on_device(value, device: torch.device) -> torch.Tensor:
+    """A 0-d float64 tensor on ``device``; a number is filled in there (a host-to-device copy
+    of it would wait for the stream)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float64)
+    return torch.full((), value, dtype=torch.float64, device=device)
+
+
+def _all_reduce_sum(values: list, device: torch.device) -> torch.Tensor:
+    """Sum numbers or 0-d tensors over ranks in one collective. The sums stay on the device
+    (float64); reading them is the caller's host sync."""
+    t = torch.stack([_on_device(v, device) for v in values])
     if dist.is_initialized():
         dist.all_reduce(t)
-    return t.tolist()
+    return t
+
+
+@dataclass
+class _StepOnDevice:
+    """What one step leaves for ``_read_pending``, unread."""
+
+    step: int
+    loss_sum: torch.Tensor  # this rank's summed loss, not yet all-reduced
+    tokens: torch.Tensor  # global target tokens of the step's batch
+    stop_votes: torch.Tensor  # ranks asked to stop
+    result: StepResult
 
 
 class StopRequested:
     """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits at the next step
-    boundary (Slurm preemption sends SIGTERM some time before SIGKILL)."""
+    whose results are read (a logged or checkpoint step: at most ``train.log_every`` steps
+    later, since every rank must see the vote at the same step). Slurm preemption sends
+    SIGTERM some time before SIGKILL (``--signal``), which must cover those steps."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -82,7 +112,7 @@ class Trainer:
         val_loader,
         logger,
         checkpointer: Checkpointer | None,
-        flops_per_token: float,
+        flops_per_token: dict[str, float],
         peak_flops: float | None,
         device: torch.device,
         tracker: PeakTracker | None = None,
@@ -95,6 +125,7 @@ class Trainer:
         self.val_loader = val_loader
         self.logger = logger
         self.checkpointer = checkpointer
+        # Training FLOPs per token by metric name: {"mfu": convention, "mfu_causal": exact}.
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.device = device
@@ -102,6 +133,7 @@ class Trainer:
         self.state = TrainState()
         self.model_state_bytes: dict[str, int] = {}
         self.dp_size = strategy.dims.dp_size
+        self._pending: list[_StepOnDevice] = []
         # llm.run hands over the tracker that measured start-up, so the run has one.
         self.tracker = tracker or PeakTracker(device, cfg.train.memory_tracking)
         self.tracker.watch(strategy.state_tensors)
@@ -140,23 +172,26 @@ class Trainer:
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
         )
 
-    def train_step(self, timer: StepTimer, stop: StopRequested) -> tuple[float, StepResult, bool]:
-        """One optimizer step over grad_accum_steps micro-batches. Returns (loss, the
-        strategy's step result, stop requested on any rank)."""
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t
+        # From pinned memory the copy is asynchronous: the host runs on to the forward.
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def train_step(self, timer: StepTimer, stop: StopRequested) -> _StepOnDevice:
+        """One optimizer step over grad_accum_steps micro-batches; what it leaves on the
+        device is read later (``_read_pending``)."""
         with timer.data():
             batches = [next(self.train_loader) for _ in range(self.cfg.train.grad_accum_steps)]
-        # Counted on the host copies: no device sync before the forward.
-        local_tokens = sum(int((y != IGNORE).sum()) for _, y in batches)
-        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        batches = [(self._to_device(x), self._to_device(y)) for x, y in batches]
+        local_tokens = torch.stack([(y != IGNORE).sum() for _, y in batches]).sum()
         # One tiny collective gives every rank the global target count (for the loss
-        # normaliser) and whether any rank was asked to stop.
-        global_tokens, stop_votes = _all_reduce_sum(
-            [local_tokens, float(stop.requested)], self.device
-        )
+        # normaliser) and whether any rank was asked to stop; both stay on the device.
+        counts = _all_reduce_sum([local_tokens, float(stop.requested)], self.device)
         # Each rank's gradient is averaged over dp ranks by the strategy, so scaling the
         # summed loss by dp_size / global_tokens yields the per-token mean over the whole
         # accumulated global batch: k micro-batches of b equal one batch of k*b.
-        scale = self.dp_size / max(global_tokens, 1.0)
+        scale = (self.dp_size / counts[0].clamp(min=1.0)).float()
         step = self.state.step + 1
         with self.tracker.step(self.tracker.tracks(logged=self._logs_at(step))):
             loss_sum, result = self._step_on(batches, scale)
@@ -164,10 +199,9 @@ class Trainer:
                 # Sampled while gradients exist: what a rank holds at its peak of model state.
                 self.model_state_bytes = self.strategy.memory()
             self.strategy.zero_grad()
-        (total,) = _all_reduce_sum([loss_sum], self.device)
-        return total / max(global_tokens, 1.0), result, stop_votes > 0
+        return _StepOnDevice(step, loss_sum, counts[0], counts[1], result)
 
-    def _step_on(self, batches: list, scale: float) -> tuple[torch.Tensor, StepResult]:
+    def _step_on(self, batches: list, scale: torch.Tensor) -> tuple[torch.Tensor, StepResult]:
         """Forward and backward of every micro-batch, then the optimizer step, each a phase
         of the peak tracker. Returns (the summed loss, the strategy's step result)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -186,6 +220,41 @@ class Trainer:
         self.scheduler.step()
         return loss_sum, result
 
+    def _read_pending(self, timer: StepTimer) -> tuple[bool, dict | None]:
+        """Read every step since the last read in one host sync (their losses all-reduced
+        in one collective), account for them and run the monitor on each. Every rank calls
+        this at the same steps. Returns (any rank asked to stop, the last step's metrics)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return False, None
+        losses = _all_reduce_sum([p.loss_sum for p in pending], self.device)
+        rows = [
+            torch.stack([p.tokens, p.stop_votes, _on_device(p.result.grad_norm, self.device)])
+            for p in pending
+        ]
+        values = torch.cat([losses.unsqueeze(1), torch.stack(rows)], dim=1).tolist()
+        timings = timer.collect()
+        stop, metrics = False, None
+        for p, (loss_sum, tokens, votes, grad_norm), timing in zip(
+            pending, values, timings, strict=True
+        ):
+            loss = loss_sum / max(tokens, 1.0)
+            self.state.tokens_seen += int(tokens)
+            self.state.last_loss = loss
+            self.state.tokens_per_sec.append(tokens / timing.step_time_s)
+            stop = stop or votes > 0
+            metrics = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "loss_scale": p.result.loss_scale,
+                "skipped": p.result.skipped,
+                "step_time_s": timing.step_time_s,
+                "data_wait_share": timing.data_wait_share,
+            }
+            for alert in self.monitor.check(p.step, metrics):
+                self.logger.alert(alert)
+        return stop, metrics
+
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
@@ -196,43 +265,34 @@ class Trainer:
             loss_sum += self._loss_sum(x, y)
             tokens += (y != IGNORE).sum()
         self.model.train()
-        loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], self.device)
+        loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], self.device).tolist()
         return loss_sum / max(tokens, 1.0)
 
     # ---- the loop ---------------------------------------------------------------------
     def fit(self) -> dict:
         t = self.cfg.train
-        tokens_per_step = (
-            t.micro_batch_size * t.grad_accum_steps * self.dp_size * self.cfg.data.seq_len
-        )
         timer = StepTimer(self.device)
         last = t.stop_at_step or t.max_steps
+        if note := warmup_note(self.cfg.scheduler, t.max_steps):
+            self.logger.info(note)
         self.model.train()
         with StopRequested() as stop:
             while self.state.step < last:
                 with timer.step():
-                    loss, result, stop_now = self.train_step(timer, stop)
+                    self._pending.append(self.train_step(timer, stop))
                 self.state.step += 1
-                self.state.tokens_seen += tokens_per_step
-                self.state.last_loss = loss
-                self._account(timer, tokens_per_step)
-                self.state.skipped_steps += result.skipped
-                metrics = {
-                    "loss": loss,
-                    "grad_norm": result.grad_norm,
-                    "loss_scale": result.loss_scale,
-                    "skipped": result.skipped,
-                    "skipped_steps": self.state.skipped_steps,
-                }
-                for alert in self.monitor.check(self.state.step, metrics):
-                    self.logger.alert(alert)
-                self.logger.advance(self.state.step, loss, self._last_tps())
-                if self._logs_at(self.state.step):
-                    self.logger.log(self.state.step, self._log_metrics(metrics, timer))
+                self._account(self._pending[-1].result)
+                every = self.cfg.checkpoint.every
+                saves = every and self.state.step % every == 0 and self.state.step < t.max_steps
+                logs = self._logs_at(self.state.step)
+                # A checkpoint carries tokens_seen: read the steps before saving one.
+                stop_now, metrics = self._read_pending(timer) if logs or saves else (False, None)
+                self.logger.advance(self.state.step, self.state.last_loss, self._last_tps())
+                if logs:
+                    self.logger.log(self.state.step, self._log_metrics(metrics))
                 if self.state.step % t.eval_every == 0 and self.state.step < t.max_steps:
                     self._eval_and_log()
-                every = self.cfg.checkpoint.every
-                if every and self.state.step % every == 0 and self.state.step < t.max_steps:
+                if saves:
                     self.save()
                 if stop_now:
                     self.logger.info(f"stop requested: checkpointing at step {self.state.step}")
@@ -247,12 +307,17 @@ class Trainer:
         t = self.cfg.train
         return step == 1 or step % t.log_every == 0 or step == (t.stop_at_step or t.max_steps)
 
-    def _mfu(self, tokens_per_sec: float | None) -> float | None:
+    def _mfu(self, tokens_per_sec: float | None) -> dict[str, float | None]:
+        """MFU under each FLOP count (``mfu``: 6N + 12LTd, ``mfu_causal``: what a causal
+        kernel computes); None on CPU and unknown GPUs."""
         if tokens_per_sec is None:
-            return None
+            return dict.fromkeys(self.flops_per_token)
         # Per GPU: each rank does 1/world of the step's work.
         per_rank = tokens_per_sec / self.strategy.dims.world_size
-        return mfu(per_rank, self.flops_per_token, self.peak_flops)
+        return {
+            name: mfu(per_rank, flops, self.peak_flops)
+            for name, flops in self.flops_per_token.items()
+        }
 
     def _eval_and_log(self) -> None:
         val_loss = self.evaluate()
@@ -265,20 +330,19 @@ class Trainer:
     def _last_tps(self) -> float | None:
         return self.state.tokens_per_sec[-1] if self.state.tokens_per_sec else None
 
-    def _account(self, timer: StepTimer, tokens_per_step: int) -> None:
-        tps = tokens_per_step / timer.last.step_time_s
-        self.state.tokens_per_sec.append(tps)
+    def _account(self, result: StepResult) -> None:
+        """What a step leaves on the host: whether it was skipped, and bytes sent."""
+        self.state.skipped_steps += result.skipped
         for kind, sent in self.strategy.comm().items():
             self.state.comm_per_step[kind] = self.state.comm_per_step.get(kind, 0) + sent
         self.state.comm_steps += 1
 
-    def _log_metrics(self, metrics: dict, timer: StepTimer) -> dict:
+    def _log_metrics(self, metrics: dict) -> dict:
         out = dict(metrics)
+        out["skipped_steps"] = self.state.skipped_steps
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["tokens_per_sec"] = self._last_tps()
-        out["step_time_s"] = timer.last.step_time_s
-        out["data_wait_share"] = timer.last.data_wait_share
-        out["mfu"] = self._mfu(self._last_tps())
+        out.update(self._mfu(self._last_tps()))
         out["tokens_seen"] = self.state.tokens_seen
         out.update(self._step_memory())
         for kind, value in self.model_state_bytes.items():
@@ -331,7 +395,7 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "skipped_steps": self.state.skipped_steps,
             "tokens_per_sec": median_tps,
-            "mfu": self._mfu(median_tps),
+            **self._mfu(median_tps),
             **self.memory_summary(),
             "model_state_bytes": self.model_state_bytes,
             "comm_bytes_per_step": {k: v / steps for k, v in self.state.comm_per_step.items()},
