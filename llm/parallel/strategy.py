@@ -3,7 +3,9 @@
 A strategy owns how a model is wrapped, how its optimizer is built, how gradients are
 produced and synchronised (forward and ``backward(loss)`` run inside ``micro_batch(sync)``,
 with sync False inside gradient accumulation), how a step is taken (clipping included),
-what its checkpoint state is, and what it holds and sends (``memory()``, ``comm()``).
+what its checkpoint state is, and what it holds and sends (``state_tensors()``: the params,
+grads and optimizer states this rank holds now, which the peak tracker classifies by;
+``memory()``: their bytes; ``comm()``).
 
 ``wrap(model, weights)``: when ``weights`` (a llm.models WeightSource) is given, the model
 arrives on the meta device and the strategy shards it first, then allocates and fills only
@@ -52,6 +54,8 @@ class Strategy(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]: ...
 
     def memory(self) -> dict[str, int]: ...
 

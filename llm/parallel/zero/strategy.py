@@ -24,7 +24,7 @@ from torch import nn
 
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
-from llm.memory import storage_bytes
+from llm.memory import optimizer_state_tensors
 from llm.models import ModuleSource, WeightSource, materialize_from
 from llm.optim import optimizer_for_groups, param_groups, wrap_optimizer
 from llm.parallel.single import SingleStrategy
@@ -231,19 +231,15 @@ class ZeroStrategy(SingleStrategy):
         sent, self._sent = dict(self._sent), Counter()
         return sent
 
-    def memory(self) -> dict[str, int]:
-        masters = [b.master for b in self.buffers if b.master is not b.shard]
-        states = [
-            v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-        ]
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Working params (stage 3: the full buffers hold only the blocks gathered now, their
+        storages resized to 0 otherwise) and the shard; gradient shards and full gradient
+        buffers while they exist; fp32 masters (when not the shard itself) and moments."""
         return {
-            "params": storage_bytes(
-                [b.full for b in self.buffers] + [b.shard for b in self.buffers]
-            ),
-            "grads": storage_bytes(
-                [b.grad_shard for b in self.buffers] + [b.grad_full for b in self.buffers]
-            ),
-            "optimizer_states": storage_bytes(masters + states),
+            "params": [b.full for b in self.buffers] + [b.shard for b in self.buffers],
+            "grads": [b.grad_shard for b in self.buffers] + [b.grad_full for b in self.buffers],
+            "optimizer_states": [b.master for b in self.buffers if b.master is not b.shard]
+            + optimizer_state_tensors(self.optimizer),
         }
 
     def state_dict(self) -> dict:
