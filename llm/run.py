@@ -1,5 +1,6 @@
-"""One rank's run: dist init -> model (meta) -> recompute -> wrap -> materialise ->
-optimizer -> data -> Trainer.fit -> summary.json."""
+"""One rank's run: dist init -> model (meta) -> recompute -> precision -> strategy.wrap
+(shards, then materialises this rank's part) -> compile -> optimizer -> data -> Trainer.fit
+-> summary.json."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ from llm.errors import ConfigError
 from llm.logging import NullLogger, RunLogger
 from llm.memory import PeakTracker
 from llm.models import (
+    HFSource,
+    InitSource,
+    Transformer,
+    WeightSource,
     build_model,
     causal_flops_per_token,
     flops_per_token,
-    from_hf,
-    materialize,
     num_params,
 )
 from llm.optim import build_scheduler
@@ -85,13 +88,16 @@ def hardware(device: torch.device) -> dict:
     return info
 
 
-def build_model_for(cfg: Config, vocab_size: int):
-    """The model on the meta device (or loaded from a Hugging Face directory)."""
+def build_model_for(cfg: Config, vocab_size: int) -> tuple[Transformer, WeightSource]:
+    """The model on the meta device and where its initial weights come from: a Hugging Face
+    directory (read slice by slice) or our seeded init."""
     if cfg.model.init_from is not None:
-        model = from_hf(cfg.model.init_from, attention_backend=cfg.attention.backend)
-        return model, model.args, True
-    args = model_args_for(cfg, vocab_size)
-    return build_model(args, attention_backend=cfg.attention.backend), args, False
+        weights = HFSource(cfg.model.init_from)
+        args = weights.args
+    else:
+        args = model_args_for(cfg, vocab_size)
+        weights = InitSource(args, cfg.train.seed)
+    return build_model(args, attention_backend=cfg.attention.backend), weights
 
 
 def main(cfg: Config, env: RankEnv) -> dict:
@@ -135,21 +141,21 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
 
     prepared = _prepare_data_rank0_first(cfg, env)
     tracker.begin("startup")  # model build, wrap and optimizer: one phase of the peak tracker
-    model, args, loaded = build_model_for(cfg, prepared.tokenizer.vocab_size)
+    model, weights = build_model_for(cfg, prepared.tokenizer.vocab_size)
+    args = model.args
     if args.vocab_size < prepared.tokenizer.vocab_size:
         raise ConfigError(
             f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
             f"{prepared.tokenizer.vocab_size}; set model.vocab_size or use another data.tokenizer"
         )
-    # Fixed order (torchtitan): recompute wraps blocks before the strategy wraps the model,
-    # and weights are materialised last, so large shapes never exist unsharded.
+    # Fixed order (torchtitan): everything up to wrap() happens on the meta device (no
+    # storage); wrap() shards first and then allocates and fills only what this rank holds,
+    # so under zero3 and fsdp the unsharded model never exists on any rank.
     model = apply_recompute(model, cfg.recompute)
     model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears
-    # A Hugging Face checkpoint arrives with its weights; a registry model is still on meta.
-    model = model.to(device) if loaded else materialize(model, device, cfg.train.seed)
     scaler = build_loss_scaler(cfg.precision, precision.loss_scaling)
     strategy = build_strategy(cfg.parallelism, dims, precision, device, scaler, run_config=cfg)
-    model = strategy.wrap(model)
+    model = strategy.wrap(model, weights)
     if cfg.train.compile:
         model = torch.compile(model)
     optimizer = strategy.build_optimizer(model, cfg.optimizer)

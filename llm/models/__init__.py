@@ -1,28 +1,44 @@
 """Architectures only: the GPT-2 and Llama families, a registry of named shapes, meta-device
-construction with seeded materialisation, parameter/FLOP counts, and HF import/export.
+construction, initial-weight sources (seeded init, HF safetensors) read per parameter or
+per row, parameter/FLOP counts, and HF import/export.
 
 Parallelism is applied from outside (llm.parallel); nothing here knows about ranks.
 """
 
 from llm.models.args import ModelArgs, RopeScaling
-from llm.models.build import build_model, init_weights, materialize
+from llm.models.build import build_model, materialize
 from llm.models.counting import causal_flops_per_token, flops_per_token, num_params
 from llm.models.hf import from_hf, to_hf
+from llm.models.hf_source import HFSource
 from llm.models.shapes import MODEL_SHAPES, model_args
 from llm.models.transformer import Block, Transformer
+from llm.models.weights import (
+    InitSource,
+    ModuleSource,
+    WeightSource,
+    adopt,
+    flat_range,
+    materialize_from,
+)
 
 __all__ = [
     "MODEL_SHAPES",
     "Block",
+    "HFSource",
+    "InitSource",
     "ModelArgs",
+    "ModuleSource",
     "RopeScaling",
     "Transformer",
+    "WeightSource",
+    "adopt",
     "build_model",
     "causal_flops_per_token",
+    "flat_range",
     "flops_per_token",
     "from_hf",
-    "init_weights",
     "materialize",
+    "materialize_from",
     "model_args",
     "num_params",
     "to_hf",

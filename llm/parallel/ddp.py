@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from llm.models import WeightSource, materialize_from
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
 
@@ -22,7 +23,9 @@ class DDPStrategy(SingleStrategy):
         super().__init__(*args, **kwargs)
         self._sent: Counter[str] = Counter()
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, weights: WeightSource | None = None) -> torch.nn.Module:
+        if weights is not None:  # a replica: the whole model on every rank
+            materialize_from(model, weights, self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(
             model,

@@ -48,6 +48,7 @@ from torch import nn
 from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors, state_bytes, storage_bytes
+from llm.models import WeightSource, materialize_from
 from llm.optim import build_optimizer, param_groups
 from llm.parallel import ds_checkpoint as ckpt
 from llm.parallel.ds_config import checked_ds_config
@@ -131,7 +132,12 @@ class DeepSpeedStrategy:
         self._grad_bytes = self._step_grad_bytes = 0
 
     # ---- building ---------------------------------------------------------------------
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
+        if weights is not None:
+            # The whole model on every rank, then DeepSpeed partitions it: its own
+            # zero.Init (partitioning at construction) is not used, so start-up under
+            # ZeRO-3 peaks at a full model per rank (docs/zero.md, Known limits).
+            materialize_from(model, weights, self.device)
         opt_cfg = self.run_config.optimizer
         self.ds_config = checked_ds_config(
             self.run_config, self.precision, self.device, self.dims.dp_size, model.args.d_model

@@ -5,6 +5,10 @@ and its gradients reduce-scattered (averaged) right after its backward, so each 
 1/N of parameters, gradients and optimizer states; the inherited ``memory()`` counts exactly
 that, as ``storage_bytes`` reads a DTensor's local shard.
 
+Given a WeightSource (as llm.run does), ``wrap`` runs ``fully_shard`` on the meta-device
+model, then allocates only the local shards (``to_empty``) and fills each from the rows it
+covers, so no rank ever holds the unsharded model.
+
 ``parallelism.reshard_after_forward`` true frees gathered block parameters after forward and
 gathers them again in backward (ZeRO-3-like: least memory, ~1.5x the bytes moved); false
 keeps them until backward ends (ZeRO-2-like). ``parallelism.replicate > 1`` is HSDP:
@@ -39,6 +43,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from llm.errors import ConfigError
+from llm.models import WeightSource
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
@@ -91,7 +96,7 @@ class FSDPStrategy(SingleStrategy):
         # Pinned host memory needs a GPU (a CPU-only torch cannot pin).
         return CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
         layers = getattr(model, "layers", None)
         if not isinstance(layers, nn.ModuleList):
             raise ConfigError(
@@ -109,12 +114,26 @@ class FSDPStrategy(SingleStrategy):
         # The root (embeddings, final norm, output) is the last to run forward and the first
         # in backward: resharding it in between would only gather it again at once.
         fully_shard(model, reshard_after_forward=False, **shard)
+        if weights is not None:
+            self._materialize_shards(model, weights)
         if self.cfg.prefetch:
             _prefetch_neighbours(model, blocks)
         if self.cfg.count_comm:
             count_fsdp_collectives(model, self.counter, hsdp=self.cfg.replicate > 1)
         self.model = model
         return model
+
+    @torch.no_grad()
+    def _materialize_shards(self, model: nn.Module, weights: WeightSource) -> None:
+        """Allocate the sharded model (each rank only its shards) and fill every local
+        shard from the rows it covers; nothing unsharded is ever allocated."""
+        # With parameter offload FSDP2 keeps the shards in host memory.
+        model.to_empty(device="cpu" if self.cfg.offload_params else self.device)
+        for name, param in model.named_parameters():
+            local = _local(param)
+            start, stop = _dim0_rows(param)
+            if stop > start:
+                local.copy_(weights.rows(name, start, stop, local.device))
 
     @property
     def grad_replicas(self) -> int:
@@ -140,6 +159,25 @@ class FSDPStrategy(SingleStrategy):
 
     def comm(self) -> dict[str, int]:
         return self.counter.take()
+
+
+def _dim0_rows(param: DTensor) -> tuple[int, int]:
+    """The global dim-0 rows [start, stop) of ``param`` this rank holds. FSDP2 shards dim 0
+    as torch.chunk does (ceil(rows / n) per rank, the last ones shorter or empty) on each
+    mesh dimension whose placement is Shard(0); Replicate (HSDP's outer dimension) keeps
+    the range."""
+    start, stop = 0, param.shape[0]
+    coordinate = param.device_mesh.get_coordinate()
+    for dim, placement in enumerate(param.placements):
+        if placement.is_shard(0):
+            chunk = -(-(stop - start) // param.device_mesh.size(dim))
+            start, stop = (
+                min(start + coordinate[dim] * chunk, stop),
+                min(start + (coordinate[dim] + 1) * chunk, stop),
+            )
+    if stop - start != param.to_local().shape[0]:
+        raise RuntimeError(f"FSDP2 sharded {tuple(param.shape)} unlike torch.chunk along dim 0")
+    return start, stop
 
 
 def _prefetch_neighbours(root: FSDPModule, blocks: list[FSDPModule]) -> None:

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from llm.config import OptimizerConfig, ParallelismConfig
 from llm.memory import module_state_tensors, state_bytes
+from llm.models import WeightSource, materialize_from
 from llm.optim import build_optimizer, wrap_optimizer
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult, overflow_checked_step
@@ -65,7 +66,9 @@ class SingleStrategy:
         self.optimizer.step()
 
     # ---- the protocol -----------------------------------------------------------------
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
+        if weights is not None:
+            materialize_from(model, weights, self.device)
         self.model = model
         return model
 

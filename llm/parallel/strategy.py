@@ -7,6 +7,12 @@ what its checkpoint state is, and what it holds and sends (``state_tensors()``: 
 grads and optimizer states this rank holds now, which the peak tracker classifies by;
 ``memory()``: their bytes; ``comm()``).
 
+``wrap(model, weights)``: when ``weights`` (a llm.models WeightSource) is given, the model
+arrives on the meta device and the strategy shards it first, then allocates and fills only
+what this rank holds (single/ddp: the whole model; fsdp and zero3: the rank's shards;
+zero1/2: the whole working buffer and the rank's master slice). Without it the model is
+already materialised and the strategy takes its values as they are.
+
 Convention: gradients are AVERAGED over data-parallel ranks (as DDP does), so the Trainer
 scales each rank's summed loss by dp_size / (target tokens in the global batch).
 """
@@ -23,6 +29,7 @@ from torch import nn
 
 from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
+from llm.models import WeightSource
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult
 from llm.precision import LossScaler, PrecisionPolicy
@@ -32,7 +39,7 @@ class Strategy(Protocol):
     name: str
     dims: ParallelDims
 
-    def wrap(self, model: nn.Module) -> nn.Module: ...
+    def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module: ...
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer: ...
 

@@ -25,6 +25,7 @@ from torch import nn
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors
+from llm.models import ModuleSource, WeightSource, materialize_from
 from llm.optim import optimizer_for_groups, param_groups, wrap_optimizer
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
@@ -51,8 +52,9 @@ class ZeroStrategy(SingleStrategy):
         self._sent: Counter[str] = Counter()
 
     # ---- set-up -----------------------------------------------------------------------
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
         policy = self.precision
+        source = ModuleSource(model) if weights is None else weights
         blocks = list(getattr(model, "layers", []))
         unit_of = {}
         if self.stage == 3:
@@ -77,9 +79,12 @@ class ZeroStrategy(SingleStrategy):
                 policy.master_dtype,
                 master_device,
                 self.device,
+                source,
             )
             for bucket in build_buckets(named, bucket_numel, self.world)
         ]
+        if weights is not None:  # what no bucket holds (parameters not trained): whole
+            materialize_from(model, weights, self.device)
         self._buffers_of = {slot.param: buf for buf in self.buffers for slot in buf.bucket.slots}
         self._slot_of = {slot.param: slot for buf in self.buffers for slot in buf.bucket.slots}
         for p in self._slot_of:

@@ -1,0 +1,146 @@
+"""Where initial weights come from, one parameter (or a few of its rows) at a time.
+
+A strategy that shards before materialising asks a :class:`WeightSource` only for what its
+rank holds: ``rows(name, start, stop, device)`` is dim-0 rows [start, stop) of a parameter
+in fp32 (FSDP2 shards dim 0, our ZeRO cuts flat ranges that ``flat_range`` turns into rows).
+Sources: :class:`InitSource` (our seeded GPT-2 init), :class:`ModuleSource` (an already
+materialised module), and ``HFSource`` in ``hf_source.py`` (a safetensors checkpoint).
+
+Names are the model's parameter names without wrapper infixes (recompute's checkpoint
+wrapper, torch.compile); a tied weight is one parameter and is asked for under its first
+name (``tok_embeddings.weight``), as ``named_parameters`` lists it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils import swap_tensors
+
+from llm.models.args import ModelArgs
+from llm.models.layers import RMSNorm
+from llm.models.transformer import Transformer
+
+_WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def param_name(name: str) -> str:
+    """``name`` as the model without wrappers calls it."""
+    for infix in _WRAPPER_INFIXES:
+        name = name.replace(infix, "")
+    return name
+
+
+class WeightSource(Protocol):
+    def shape(self, name: str) -> torch.Size: ...
+
+    def rows(self, name: str, start: int, stop: int, device: torch.device) -> Tensor:
+        """Dim-0 rows [start, stop) of parameter ``name``, fp32, on ``device``; read-only
+        (it may be a view of the source's own tensor): callers copy out of it."""
+        ...
+
+    def whole(self, name: str, device: torch.device) -> Tensor:
+        return self.rows(name, 0, self.shape(name)[0], device)
+
+
+def flat_range(weights: WeightSource, name: str, start: int, stop: int, device) -> Tensor:
+    """Elements [start, stop) of the flattened parameter, reading only the rows they span."""
+    shape = weights.shape(name)
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-stop // row)
+    block = weights.rows(name, first, last, device).reshape(-1)
+    return block[start - first * row : stop - first * row]
+
+
+class InitSource(WeightSource):
+    """GPT-2 init (Radford et al. 2019): N(0, init_std) for matrices and embeddings, zeros
+    for biases, ones for norm gains; the projections that write into the residual stream
+    (wo, w2) get init_std / sqrt(2 * n_layers), since 2 * n_layers of them add up along the
+    residual path.
+
+    Each parameter draws from its own generator, seeded from (seed, name): any parameter
+    can be produced alone, in any order, on any rank, with the same bits as in a
+    single-process run on the same device type (CPU and CUDA generators differ). Rows of a
+    random matrix cost one full temporary of that parameter.
+    """
+
+    def __init__(self, args: ModelArgs, seed: int) -> None:
+        self.seed = seed
+        with torch.device("meta"):  # shapes and init kinds only: no storage
+            model = Transformer(args)
+        residual_std = args.init_std / math.sqrt(2 * args.n_layers)
+        self._shapes = {n: p.shape for n, p in model.named_parameters()}
+        self._std: dict[str, float] = {}  # random parameters; the rest are constants
+        self._fill: dict[str, float] = {}
+        for name, module in model.named_modules():
+            prefix = f"{name}." if name else ""
+            if isinstance(module, nn.Linear | nn.Embedding):
+                std = residual_std if name.endswith((".wo", ".w2")) else args.init_std
+                self._std[f"{prefix}weight"] = std
+                if getattr(module, "bias", None) is not None:
+                    self._fill[f"{prefix}bias"] = 0.0
+            elif isinstance(module, nn.LayerNorm | RMSNorm):
+                self._fill[f"{prefix}weight"] = 1.0
+                if getattr(module, "bias", None) is not None:
+                    self._fill[f"{prefix}bias"] = 0.0
+
+    def shape(self, name: str) -> torch.Size:
+        return self._shapes[param_name(name)]
+
+    def rows(self, name: str, start: int, stop: int, device: torch.device) -> Tensor:
+        name = param_name(name)
+        shape = self._shapes[name]
+        if name in self._fill:
+            return torch.full((stop - start, *shape[1:]), self._fill[name], device=device)
+        generator = torch.Generator(device=device).manual_seed(self._seed_of(name))
+        values = torch.empty(shape, device=device)
+        values.normal_(0.0, self._std[name], generator=generator)
+        return values[start:stop]
+
+    def _seed_of(self, name: str) -> int:
+        digest = hashlib.sha256(f"{self.seed}/{name}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes < 2**63
+
+
+class ModuleSource(WeightSource):
+    """The current values of an already materialised module (tests, benchmarks, and
+    strategies handed a materialised model). Holds its own references, so the values stay
+    readable after a strategy moves the module's parameters into its own buffers."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._tensors = {param_name(n): p.detach() for n, p in module.named_parameters()}
+
+    def shape(self, name: str) -> torch.Size:
+        return self._tensors[param_name(name)].shape
+
+    def rows(self, name: str, start: int, stop: int, device: torch.device) -> Tensor:
+        return self._tensors[param_name(name)][start:stop].to(device, torch.float32)
+
+
+def adopt(param: nn.Parameter, value: Tensor) -> None:
+    """Make ``param`` hold ``value`` (same shape) and stay the same Python object, so tied
+    modules and references held elsewhere see it. A meta parameter cannot take ``.data``
+    from a real tensor: it is first swapped for an empty one on ``value``'s device. ``.data``
+    keeps the parameter's own version counter, so writes into a buffer it views (ZeRO-3's
+    gathers) do not invalidate what autograd saved."""
+    if param.is_meta:
+        empty = nn.Parameter(value.new_empty(0), requires_grad=param.requires_grad)
+        swap_tensors(param, empty)
+    param.data = value
+
+
+@torch.no_grad()
+def materialize_from(model: nn.Module, weights: WeightSource, device: torch.device) -> nn.Module:
+    """Allocate every parameter of ``model`` still on the meta device on ``device`` (in its
+    dtype) and fill it from ``weights``, one parameter at a time; tied weights stay tied."""
+    device = torch.device(device)
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            value = torch.empty(param.shape, dtype=param.dtype, device=device)
+            value.copy_(weights.whole(name, device))
+            adopt(param, value)
+    return model
