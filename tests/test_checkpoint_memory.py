@@ -1,6 +1,16 @@
-"""Checkpoints of sharded strategies are written and read without a gather: during save and
-load the peak tracker's temporaries ("other") stay within one bucket in fp32, far below the
-whole fp32 weights and moments (12Φ bytes) that all-gathering checkpoints make on every rank."""
+"""Checkpoints of sharded strategies are written and read without a gather, measured by the
+peak tracker's temporaries ("other") in the checkpoint_save and checkpoint_load phases:
+
+- load: within one bucket in fp32 (a saved chunk read, the zero-lr step that creates the
+  optimizer state one bucket at a time);
+- save: within one bucket plus what torch DCP's FileSystemWriter keeps: it holds every tensor
+  it wrote until its file is closed (torch 2.13 filesystem.py, ``tensor_dict``), and on CPU a
+  shard that is a view into a larger buffer is written as a clone, so at most this rank's own
+  fp32 masters and moments (12Φ/N) are copied; on a GPU those are its host copies, which a CUDA
+  tracker does not see.
+
+Both far below the whole fp32 weights and moments (12Φ bytes) that an all-gathering checkpoint
+makes on every rank."""
 
 from __future__ import annotations
 
@@ -39,16 +49,21 @@ def _save_then_resume(tmp_path, text_corpus, cache_dir, nproc, *extra):
     return saved, resumed, ckpt
 
 
-def _assert_no_gather(saved, resumed, ckpt, bucket_mb: float, working_bytes: int) -> None:
-    # One bucket in fp32: a master (or moment) shard of the bucket, which a parameter larger
-    # than the bucket size fills alone.
+def _assert_no_gather(saved, resumed, ckpt, bucket_mb: float, working_bytes: int, nproc: int):
+    # One bucket in fp32: a bucket's master (or moment) slice, which a parameter larger than
+    # the bucket size fills alone.
     bucket = 4 * max(int(bucket_mb * 2**20 / working_bytes), _largest_param(ckpt))
-    gather = 12 * saved["n_params"]  # what the all-gathering save made per rank
-    for summary, phase in ((saved, "checkpoint_save"), (resumed, "checkpoint_load")):
+    phi = saved["n_params"]
+    gather = 12 * phi  # what the all-gathering save made on every rank
+    own = 12 * phi // nproc  # this rank's fp32 masters and moments: DCP's writer copies
+    for summary, phase, bound in (
+        (saved, "checkpoint_save", own + bucket + SLACK),
+        (resumed, "checkpoint_load", bucket + SLACK),
+    ):
         for rank, by_phase in enumerate(summary["memory_peak_by_phase"]):
             other = by_phase[phase]["other"]
-            assert other <= bucket + SLACK, (phase, rank, other, bucket)
-            assert other < gather / 4, (phase, rank, other, gather)
+            assert other <= bound, (phase, rank, other, bound)
+            assert other < gather, (phase, rank, other, gather)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -64,4 +79,23 @@ def test_zero_saves_and_loads_within_one_bucket(tmp_path, text_corpus, cache_dir
         "precision=bf16",
         "train.micro_batch_size=2",
     )
-    _assert_no_gather(saved, resumed, ckpt, bucket_mb, working_bytes=2)
+    _assert_no_gather(saved, resumed, ckpt, bucket_mb, working_bytes=2, nproc=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_gpt2_large_saves_and_loads_within_one_bucket(tmp_path, text_corpus, cache_dir, strategy):
+    """gpt2-large (774M) on 4 ranks: a whole fp32 copy would be 3 GB per rank."""
+    bucket_mb = 25.0  # the default: under fsdp one transformer block is the unit instead
+    saved, resumed, ckpt = _save_then_resume(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        4,
+        f"parallelism={strategy}",
+        "model=gpt2-large",
+        "precision=bf16",
+        "train.micro_batch_size=1",
+        "data.seq_len=32",
+    )
+    _assert_no_gather(saved, resumed, ckpt, bucket_mb, working_bytes=2, nproc=4)
