@@ -1,11 +1,10 @@
 """The ds_config parallelism=deepspeed hands to DeepSpeed: built from our groups, or a user's
 file with its "auto" values filled from ours; what DeepSpeed cannot express or a file that
-contradicts ours is refused in one line. Plus the checkpoint layout's rectangle cutting."""
+contradicts ours is refused in one line."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 from helpers import compose_config
 
 from llm.errors import ConfigError
-from llm.parallel.ds_checkpoint import blocks
 from llm.parallel.ds_config import build_ds_config, checked_ds_config
 from llm.precision import resolve_precision
 
@@ -177,20 +175,6 @@ def test_cpu_adam_that_cannot_build_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"did not build \(Error building extension") as err:
         ds_strategy._require_cpu_adam()
     assert "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize("shape", [(7,), (5, 7), (3, 4, 5)])
-def test_blocks_tile_a_flat_range_in_order(shape):
-    """A rank's flat slice of a parameter becomes rectangles covering exactly that slice."""
-    numel = math.prod(shape)
-    flat = torch.arange(numel).view(shape)
-    for a in range(numel):
-        for b in range(a + 1, numel + 1):
-            pieces = [
-                flat[tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))].reshape(-1)
-                for off, size in blocks(shape, a, b)
-            ]
-            assert torch.equal(torch.cat(pieces), torch.arange(a, b)), (a, b)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from llm.optim.factory import (
     param_groups,
     register_optimizer,
 )
+from llm.optim.lazy_state import materialize_state
 from llm.optim.rounded_update import RoundedUpdate, wrap_optimizer
 from llm.optim.schedule import (
     SCHEDULES,
@@ -24,6 +25,7 @@ __all__ = [
     "build_scheduler",
     "clamped_warmup",
     "lr_multiplier",
+    "materialize_state",
     "optimizer_for_groups",
     "param_groups",
     "register_optimizer",

@@ -7,25 +7,26 @@ own shape, torch DCP's get_state_dict layout), each as a ShardedTensor whose loc
 are views into DeepSpeed's buffers: DCP saves them without a gather and loads (resharding
 from any world size or strategy) straight into place.
 
-A rank's slice of one parameter is a flat range [start, start + n) of the parameter; a
-row-major range is a few rectangles (a partial first row, whole rows, a partial last row,
-recursively), which is what a ShardedTensor's shards can describe.
+A rank's slice of one parameter is a flat range [start, start + n) of the parameter, a few
+rectangles of it (llm/parallel/flat_shards.py, shared with our ZeRO's checkpoints).
+
+DeepSpeed 0.19.8's public local accessors (``deepspeed.utils.safe_get_local_fp32_param``,
+``safe_get_local_optimizer_state`` and their setters) exist for ZeRO-3 only, and return
+``.to(accelerator)`` of the partition: a copy when the optimizer is offloaded, which would put
+every local master and moment on the GPU at once while saving. The ``safe_get_full_*`` ones
+all-reduce a whole parameter. So the fragments are found through the optimizer's flat
+buffers (docs/zero.md lists the private attributes used and why).
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
 
-# torch 2.13 deprecates ShardedTensor for DTensor, but a DTensor shards evenly and cannot
-# describe DeepSpeed's cuts; DCP still reads and writes ShardedTensors.
-warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+from llm.optim import materialize_state
+from llm.parallel.flat_shards import sharded
 
 
 @dataclass
@@ -49,7 +50,7 @@ def fragments(engine, inner: torch.optim.Optimizer) -> dict[str, Fragment | None
     for name, p in engine.module.named_parameters():
         if hasattr(p, "ds_tensor"):  # ZeRO-3: rank r holds [r * n, (r + 1) * n), padded
             group, offset, n = opt.grad_position[opt.get_param_id(p)]
-            start = opt._get_param_partition_rank(p) * n
+            start = dist.get_rank(p.ds_process_group) * n
             real = min(n, max(0, p.ds_numel - start))
             flat = opt.fp32_partitioned_groups_flat[group]
             out[name] = Fragment(start, real, flat, offset) if real else None
@@ -82,80 +83,14 @@ def optimizer_flats(engine, inner) -> list[tuple[torch.Tensor, int]]:
     return [(p, gi) for gi, g in enumerate(inner.param_groups) for p in g["params"]]
 
 
-@torch.no_grad()
-def materialize_optimizer_state(inner: torch.optim.Optimizer, flats) -> None:
-    """Adam's moments exist only after a first step, and a checkpoint loads into them in
-    place: create them as a step at lr 0 on zero gradients does (weights unchanged, its
-    step count is overwritten by the load)."""
-    if all(flat in inner.state for flat, _ in flats):
-        return
-    saved = [(g["params"], g["lr"]) for g in inner.param_groups]
-    for g in inner.param_groups:
-        g["params"], g["lr"] = [], 0.0
-    for flat, gi in flats:
-        inner.param_groups[gi]["params"].append(flat)
-    grads = [flat.grad for flat, _ in flats]
-    for flat, _ in flats:
-        flat.grad = torch.zeros_like(flat)
-    inner.step()
-    for (flat, _), grad in zip(flats, grads, strict=True):
-        flat.grad = grad
-    for g, (params, lr) in zip(inner.param_groups, saved, strict=True):
-        g["params"], g["lr"] = params, lr
-
-
-def blocks(shape: tuple[int, ...], a: int, b: int) -> list[tuple[list[int], list[int]]]:
-    """Row-major elements [a, b) of a tensor of ``shape`` as (offsets, sizes) rectangles, in
-    order, so that consecutive blocks are consecutive slices of the flat range."""
-    if a >= b:
-        return []
-    if len(shape) <= 1:
-        return [([a], [b - a])]
-    row = math.prod(shape[1:])
-    inner = shape[1:]
-    first, last = a // row, b // row  # rows holding a and b (b exclusive)
-    if first == last:  # inside one row
-        return [([first, *o], [1, *s]) for o, s in blocks(inner, a % row, b % row)]
-    out = []
-    if a % row:
-        out += [([first, *o], [1, *s]) for o, s in blocks(inner, a % row, row)]
-        first += 1
-    if last > first:
-        out.append(([first] + [0] * len(inner), [last - first, *inner]))
-    if b % row:
-        out += [([last, *o], [1, *s]) for o, s in blocks(inner, 0, b % row)]
-    return out
-
-
-def sharded(shape, frag: Fragment | None, flat: torch.Tensor, group) -> ShardedTensor:
-    """A ShardedTensor of ``shape`` whose local shards are views of this rank's fragment in
-    ``flat`` (the master weights or one of their optimizer states; with no fragment, any
-    tensor of their dtype and device). Collective over ``group``."""
-    place = f"rank:{dist.get_rank(group)}/{flat.device}"
-    if frag is None:
-        # One empty shard, not none: DCP's loader drops a key whose ShardedTensor has no
-        # local shard, then takes the checkpoint for an old-format one and refuses it. It
-        # sits past the last row: DCP's save dedups chunks by offset, and one at the origin
-        # would replace the real shard that starts there.
-        sizes = [0, *shape[1:]]
-        empty = flat.detach().new_empty(sizes)
-        shards = [Shard(empty, ShardMetadata([shape[0]] + [0] * (len(shape) - 1), sizes, place))]
-        return init_from_local_shards(shards, *shape, process_group=group)
-    shards, pos, data = [], 0, frag.view(flat)
-    for offsets, sizes in blocks(tuple(shape), frag.start, frag.start + frag.numel):
-        n = math.prod(sizes)
-        shard = data.narrow(0, pos, n).view(sizes)
-        shards.append(Shard(shard, ShardMetadata(offsets, sizes, place)))
-        pos += n
-    return init_from_local_shards(shards, *shape, process_group=group)
-
-
 def checkpoint_state(engine, inner, group_names: list[list[str]], group, shard: bool) -> dict:
     """The model and optimizer as get_state_dict lays them out, over DeepSpeed's buffers:
     ``model.<name>`` are the fp32 masters, ``optimizer.state.<name>.<moment>`` their moments
     (views: DCP loads into them in place), scalars and param groups are copies."""
     flats = optimizer_flats(engine, inner)
-    materialize_optimizer_state(inner, flats)
+    missing = [(flat, gi) for flat, gi in flats if flat not in inner.state]
+    if missing:  # Adam's moments exist only after a first step; a load writes into them
+        materialize_state(inner, missing)
     frags = fragments(engine, inner)
     any_flat = flats[0][0]
     first = inner.state[any_flat]
@@ -167,7 +102,9 @@ def checkpoint_state(engine, inner, group_names: list[list[str]], group, shard: 
     def entry(f: Fragment | None, shape, key: str | None):  # key None: the master itself
         flat = f.flat if f else any_flat
         tensor = flat if key is None else inner.state[flat][key]
-        return sharded(shape, f, tensor, group) if shard else f.view(tensor).view(shape)
+        if not shard:
+            return f.view(tensor).view(shape)
+        return sharded(shape, f.start if f else 0, f.view(tensor) if f else None, tensor, group)
 
     model, states = {}, {}
     for name, p in engine.module.named_parameters():

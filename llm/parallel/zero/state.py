@@ -1,11 +1,16 @@
-"""ZeRO checkpoints in the same layout as every other strategy's: the model by parameter
-name, the optimizer as torch DCP's ``get_state_dict`` writes it (state by parameter name,
-param groups listing names). Shards are all-gathered bucket by bucket into whole
-parameters, so a checkpoint saved on N ranks loads on M ranks, or under ddp, fsdp or one
-process; on load every rank cuts its own slice back out.
+"""ZeRO checkpoints in the layout every strategy shares, written and read without a gather.
 
-The cost is one whole copy of the fp32 weights and optimizer states per rank while saving
-(DCP writes each replicated tensor once); a sharded-on-disk format would avoid it.
+Keys as torch DCP's ``get_state_dict`` lays them out: ``model.<name>`` at the parameter's own
+shape, ``optimizer.state.<name>.<moment>`` and ``optimizer.param_groups`` (names, not
+tensors), plus the loss scaler. Each parameter is a ShardedTensor (llm/parallel/flat_shards.py)
+whose local shards are views of this rank's piece: the fp32 master when one exists, else the
+working shard, and the piece's optimizer moments. DCP writes each rank's pieces once, and a
+load reads only the chunks that overlap them, from a checkpoint saved by any world size or
+strategy, straight into place; nothing larger than one saved chunk is ever materialised.
+A parameter of which this rank owns nothing is a ShardedTensor with no data here.
+
+After a load the 16-bit working shard is refreshed from the master, and under stages 1-2 the
+working buffers are all-gathered (the working parameters, 2Φ, as after every step).
 """
 
 from __future__ import annotations
@@ -13,96 +18,90 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from llm.optim import materialize_state
+from llm.parallel.flat_shards import sharded
 from llm.parallel.zero.collectives import all_gather
 from llm.parallel.zero.layout import clean_name
 
 
-def _elementwise_keys(strategy) -> list[str]:
-    """Optimizer-state entries shaped like the parameter piece (exp_avg, ...)."""
-    for _, tensor in strategy.piece_params:
-        st = strategy.optimizer.state.get(tensor, {})
-        return sorted(
-            k for k, v in st.items() if torch.is_tensor(v) and v.shape == tensor.shape and v.dim()
-        )
-    return []
-
-
-def _scalars(strategy) -> dict:
-    """Per-parameter scalars (AdamW's ``step``): the same for every piece."""
-    for _, tensor in strategy.piece_params:
-        st = strategy.optimizer.state.get(tensor, {})
-        return {k: v for k, v in st.items() if not (torch.is_tensor(v) and v.dim())}
-    return {}
-
-
-def _gather_bucket(strategy, buf, local: torch.Tensor) -> torch.Tensor:
-    """All-gather a rank-local slice (S elements) of a bucket into the padded whole."""
-    local = local.to(strategy.device)
-    full = local.new_empty(buf.bucket.padded)
-    all_gather(full, local, group=strategy.group)
-    return full
-
-
-def _local_slice(strategy, buf, tensors_by_piece: list[torch.Tensor]) -> torch.Tensor:
-    lo = buf.bucket.shard_range(strategy.rank)[0]
-    out = torch.zeros(buf.bucket.shard, dtype=torch.float32, device=strategy.device)
-    for piece, t in zip(buf.pieces, tensors_by_piece, strict=True):
-        out[piece.start - lo : piece.stop - lo].copy_(t)
-    return out
-
-
 def ensure_optimizer_state(strategy) -> None:
-    """Create the optimizer's lazily made state with one zero-lr step on zero gradients
-    (as torch DCP does), so a checkpoint can be loaded into it."""
+    """Create the lazily made optimizer state a checkpoint loads into, one bucket at a time
+    (the zero-lr step's temporaries stay within one bucket)."""
     optimizer = strategy.optimizer
-    if optimizer.state:
-        return
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for _, tensor in strategy.piece_params:
-        tensor.grad = torch.zeros_like(tensor)
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
-        g["lr"] = lr
-    for _, tensor in strategy.piece_params:
-        tensor.grad = None
+    group_of = {id(t): i for i, g in enumerate(optimizer.param_groups) for t in g["params"]}
+    for buf in strategy.buffers:
+        missing = [(t, group_of[id(t)]) for t in buf.piece_tensors if t not in optimizer.state]
+        if missing:
+            materialize_state(optimizer, missing)
 
 
-def gather_state(strategy) -> dict:
+def _local_layout(strategy) -> tuple[list[list[str]], dict[str, torch.dtype], dict]:
+    """This rank's view of the optimizer: parameter names per group, element-wise state keys
+    with their dtypes (exp_avg, ...), and per-parameter scalars (AdamW's ``step``)."""
+    optimizer = strategy.optimizer
+    names: list[list[str]] = [[] for _ in optimizer.param_groups]
+    group_of = {id(t): i for i, g in enumerate(optimizer.param_groups) for t in g["params"]}
+    for piece, tensor in strategy.piece_params:
+        group = names[group_of[id(tensor)]]
+        if piece.slot.name not in group:
+            group.append(piece.slot.name)
+    moments, scalars = {}, {}
+    for _, tensor in strategy.piece_params[:1]:  # every piece's state has the same keys
+        for k, v in optimizer.state[tensor].items():
+            if torch.is_tensor(v) and v.dim() and v.shape == tensor.shape:
+                moments[k] = v.dtype
+            elif not (torch.is_tensor(v) and v.dim()):
+                scalars[k] = v.item() if torch.is_tensor(v) else v
+    return names, moments, scalars
+
+
+def _agreed_layout(strategy) -> tuple[list[list[str]], dict[str, torch.dtype], dict]:
+    """The layout every rank must use, merged over ranks: a rank may own no piece of some
+    parameter (or group), yet every rank builds every ShardedTensor (a collective)."""
+    gathered = [None] * strategy.world
+    dist.all_gather_object(gathered, _local_layout(strategy), group=strategy.group)
+    names: list[list[str]] = [[] for _ in strategy.optimizer.param_groups]
+    moments, scalars = {}, {}
+    for rank_names, rank_moments, rank_scalars in gathered:
+        for merged, group in zip(names, rank_names, strict=True):
+            merged.extend(n for n in group if n not in merged)
+        moments = moments or rank_moments
+        scalars = scalars or rank_scalars
+    return names, moments, scalars
+
+
+def _scalar(value):
+    """A fresh copy per parameter: DCP loads into each entry separately."""
+    return torch.tensor(value) if isinstance(value, float) else value
+
+
+def checkpoint_state(strategy) -> dict:
+    """The state dict over this rank's own pieces (views; DCP loads into them in place)."""
     ensure_optimizer_state(strategy)
-    keys, scalars = _elementwise_keys(strategy), _scalars(strategy)
+    group_names, moments, scalars = _agreed_layout(strategy)
+    optimizer, group = strategy.optimizer, strategy.group
     model_sd, optim_state = {}, {}
     for buf in strategy.buffers:
-        weights = _gather_bucket(strategy, buf, buf.master.float())
-        states = {
-            k: _gather_bucket(
-                strategy,
-                buf,
-                _local_slice(
-                    strategy, buf, [strategy.optimizer.state[t][k] for t in buf.piece_tensors]
-                ),
-            )
-            for k in keys
-        }
+        owned = {p.slot.name: (p, t) for p, t in zip(buf.pieces, buf.piece_tensors, strict=True)}
         for slot in buf.bucket.slots:
-            span = slice(slot.offset, slot.offset + slot.numel)
+            piece, tensor = owned.get(slot.name, (None, None))
+            start = piece.param_range[0] if piece else 0
+            state = optimizer.state[tensor] if piece else {}
             shape = slot.param.shape
-            model_sd[slot.name] = weights[span].view(shape).clone()
-            optim_state[slot.name] = {k: v[span].view(shape).clone() for k, v in states.items()}
-            optim_state[slot.name].update({k: _clone(v) for k, v in scalars.items()})
-    tied = {}
+            model_sd[slot.name] = sharded(shape, start, tensor, buf.master, group)
+            optim_state[slot.name] = {
+                k: sharded(shape, start, state.get(k), _empty(dtype, buf.master), group)
+                for k, dtype in moments.items()
+            } | {k: _scalar(v) for k, v in scalars.items()}
     for name, value in strategy.model.state_dict(keep_vars=True).items():
         name = clean_name(name)
-        if name not in model_sd:
-            tied[name] = value
-    for name, value in tied.items():  # buffers, and a tied weight's second name
-        slot = strategy._slot_of.get(value)
-        model_sd[name] = model_sd[slot.name] if slot is not None else value.detach().clone()
-    groups = []
-    names = _group_names(strategy)
-    for g, group_names in zip(strategy.optimizer.param_groups, names, strict=True):
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": group_names})
+        if name not in model_sd:  # buffers, and a tied weight's second name
+            slot = strategy._slot_of.get(value)
+            model_sd[name] = model_sd[slot.name] if slot is not None else value.detach()
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": names}
+        for g, names in zip(optimizer.param_groups, group_names, strict=True)
+    ]
     return {
         "model": model_sd,
         "optimizer": {"state": optim_state, "param_groups": groups},
@@ -110,59 +109,31 @@ def gather_state(strategy) -> dict:
     }
 
 
-def _clone(v):
-    return v.clone() if torch.is_tensor(v) else v
+def _empty(dtype: torch.dtype, master: torch.Tensor) -> torch.Tensor:
+    """What an unowned moment's empty shard is made like: the moments' dtype and device."""
+    return torch.empty(0, dtype=dtype, device=master.device)
 
 
-def _group_names(strategy) -> list[list[str]]:
-    """Parameter names per optimizer group, in the factory's order (as get_state_dict)."""
-    out: list[list[str]] = [[] for _ in strategy.optimizer.param_groups]
-    group_of = {
-        id(t): i for i, g in enumerate(strategy.optimizer.param_groups) for t in g["params"]
-    }
+@torch.no_grad()
+def restore_state(strategy, loaded: dict) -> None:
+    """After DCP filled the pieces of ``checkpoint_state()``'s dict: scalars, param groups,
+    the loss scaler, and the working parameters refreshed from the masters."""
+    optimizer, states = strategy.optimizer, loaded["optimizer"]["state"]
     for piece, tensor in strategy.piece_params:
-        names = out[group_of[id(tensor)]]
-        if piece.slot.name not in names:
-            names.append(piece.slot.name)
-    # Parameters with no piece on this rank still belong to a group: agree across ranks.
-    gathered = [None] * strategy.world
-    dist.all_gather_object(gathered, out, group=strategy.group)
-    merged: list[list[str]] = [[] for _ in out]
-    for rank_groups in gathered:
-        for i, names in enumerate(rank_groups):
-            merged[i].extend(n for n in names if n not in merged[i])
-    return merged
+        state = optimizer.state[tensor]
+        for k, v in states[piece.slot.name].items():
+            held = state.get(k)
+            if not (torch.is_tensor(v) and v.dim()):
+                state[k] = held.fill_(v) if torch.is_tensor(held) else _plain(v)
+    for g, saved in zip(optimizer.param_groups, loaded["optimizer"]["param_groups"], strict=True):
+        g.update({k: v for k, v in saved.items() if k != "params"})
+    for buf in strategy.buffers:
+        if buf.master is not buf.shard:
+            buf.shard.copy_(buf.master)
+        if strategy.stage < 3:  # stage 3 gathers from the shard in the next forward
+            all_gather(buf.full, buf.shard, group=strategy.group)
+    strategy.scaler.load_state_dict(loaded["loss_scaler"])
 
 
-def scatter_state(strategy, saved: dict) -> None:
-    model_sd, optim = saved["model"], saved["optimizer"]
-    with torch.no_grad():
-        for buf in strategy.buffers:
-            lo = buf.bucket.shard_range(strategy.rank)[0]
-            for slot in buf.bucket.slots:
-                whole = model_sd[slot.name].flatten()
-                if strategy.stage < 3:
-                    buf.full[slot.offset : slot.offset + slot.numel].copy_(whole)
-            for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
-                a, b = piece.param_range
-                whole = model_sd[piece.slot.name].flatten()
-                tensor.copy_(whole[a:b])
-                if buf.master is not buf.shard:
-                    buf.shard[piece.start - lo : piece.stop - lo].copy_(whole[a:b])
-                saved_state = optim["state"][piece.slot.name]
-                current = strategy.optimizer.state.get(tensor, {})  # keeps each state's dtype
-                strategy.optimizer.state[tensor] = {
-                    k: (
-                        v.flatten()[a:b].to(tensor.device, current.get(k, v).dtype, copy=True)
-                        if torch.is_tensor(v) and v.dim()
-                        else _clone(v)
-                    )
-                    for k, v in saved_state.items()
-                }
-        params = {id(slot.param) for buf in strategy.buffers for slot in buf.bucket.slots}
-        for name, value in strategy.model.state_dict(keep_vars=True).items():
-            if id(value) not in params and clean_name(name) in model_sd:
-                value.data.copy_(model_sd[clean_name(name)])
-    for g, saved_group in zip(strategy.optimizer.param_groups, optim["param_groups"], strict=True):
-        g.update({k: v for k, v in saved_group.items() if k != "params"})
-    strategy.scaler.load_state_dict(saved["loss_scaler"])
+def _plain(v):
+    return v.item() if torch.is_tensor(v) else v

@@ -243,10 +243,10 @@ class ZeroStrategy(SingleStrategy):
         }
 
     def state_dict(self) -> dict:
-        return state.gather_state(self)
+        return state.checkpoint_state(self)
 
     def load_state_dict(self, saved: dict) -> None:
-        state.scatter_state(self, saved)
+        state.restore_state(self, saved)
 
 
 @register_strategy("zero1")
