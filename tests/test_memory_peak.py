@@ -184,7 +184,9 @@ def test_one_process_run_reports_its_peak(tmp_path, text_corpus, cache_dir):
     assert summary["peak_memory_bytes"] == peak["total"]  # CPU: the tracker's total
     (by_phase,) = summary["memory_peak_by_phase"]
     assert {"startup", "forward", "backward", "optimizer_step", "checkpoint_save"} <= set(by_phase)
-    assert by_phase["startup"]["params"] == state["params"]
+    # Start-up fills parameters one by one from the weight source, so its peak (while the
+    # largest parameter is drawn) may fall before the last small ones exist.
+    assert 0.9 * state["params"] < by_phase["startup"]["params"] <= state["params"]
     assert summary["max_peak_memory_bytes"] == max(p["total"] for p in by_phase.values())
     assert summary["process_peak_rss_bytes"] > summary["max_peak_memory_bytes"]
     rows = [m for m in read_metrics(out) if "loss" in m]
