@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from llm.config import OptimizerConfig, ParallelismConfig
@@ -96,7 +97,23 @@ CASES = [
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
-    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().float()
+    """The whole tensor behind a rank's view of it: DTensor (fsdp), ShardedTensor (our ZeRO's
+    rectangles of a flat slice), or a plain tensor."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().float()
+    if isinstance(value, ShardedTensor):
+        whole = torch.zeros(value.size(), dtype=torch.float32)
+        for shard in value.local_shards():
+            index = tuple(
+                slice(o, o + n)
+                for o, n in zip(
+                    shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
+                )
+            )
+            whole[index] = shard.tensor.detach().float()
+        dist.all_reduce(whole)  # the ranks' rectangles are disjoint: the sum is the whole
+        return whole
+    return value.detach().float()
 
 
 def _strategy_weights(name: str, precision: str, weights, args, rank: int, world: int):
