@@ -90,10 +90,10 @@ class _OpOutputs(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+        if types and any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # DTensor, float8: their inner ops on plain tensors return
         out = func(*args, **(kwargs or {}))
-        if any(t not in _PLAIN for t in types):
+        if types and any(t not in _PLAIN for t in types):
             return out  # fake tensors (DTensor's sharding propagation) hold no memory
         see = self.tracker._see
         if isinstance(out, torch.Tensor):
