@@ -24,6 +24,7 @@ from llm.models import (
     build_model,
     causal_flops_per_token,
     flops_per_token,
+    freeze,
     from_hf,
     materialize,
     num_params,
@@ -137,6 +138,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
             f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
             f"{prepared.tokenizer.vocab_size}; set model.vocab_size or use another data.tokenizer"
         )
+    freeze(model, cfg.model.freeze)  # before any strategy sees which parameters train
     # Fixed order (torchtitan): recompute wraps blocks before the strategy wraps the model,
     # and weights are materialised last, so large shapes never exist unsharded.
     model = apply_recompute(model, cfg.recompute)

@@ -7,6 +7,7 @@ Parallelism is applied from outside (llm.parallel); nothing here knows about ran
 from llm.models.args import ModelArgs, RopeScaling
 from llm.models.build import build_model, init_weights, materialize
 from llm.models.counting import causal_flops_per_token, flops_per_token, num_params
+from llm.models.freeze import freeze
 from llm.models.hf import from_hf, to_hf
 from llm.models.shapes import MODEL_SHAPES, model_args
 from llm.models.transformer import Block, Transformer
@@ -20,6 +21,7 @@ __all__ = [
     "build_model",
     "causal_flops_per_token",
     "flops_per_token",
+    "freeze",
     "from_hf",
     "init_weights",
     "materialize",
