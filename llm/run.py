@@ -30,6 +30,7 @@ from llm.models import (
     build_model,
     causal_flops_per_token,
     flops_per_token,
+    freeze,
     num_params,
 )
 from llm.optim import build_scheduler
@@ -148,6 +149,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
             f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
             f"{prepared.tokenizer.vocab_size}; set model.vocab_size or use another data.tokenizer"
         )
+    freeze(model, cfg.model.freeze)  # before any strategy sees which parameters train
     # Fixed order (torchtitan): everything up to wrap() happens on the meta device (no
     # storage); wrap() shards first and then allocates and fills only what this rank holds,
     # so under zero3 and fsdp the unsharded model never exists on any rank.

@@ -13,7 +13,7 @@ import torch
 from llm.attention import get_backend
 from llm.config import Config
 from llm.errors import ConfigError
-from llm.models import ModelArgs, model_args
+from llm.models import ModelArgs, build_model, freeze, model_args
 from llm.precision import resolve_precision
 
 
@@ -51,6 +51,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"{args.max_seq_len}; lower data.seq_len or raise model.max_seq_len"
         )
     get_backend(cfg.attention.backend)
+    if cfg.model.freeze and cfg.model.init_from is None:
+        freeze(build_model(args), cfg.model.freeze)  # on the meta device: names only
     device = resolve_device(cfg)
     precision = resolve_precision(cfg.precision.name, device)
 

@@ -8,6 +8,7 @@ Parallelism is applied from outside (llm.parallel); nothing here knows about ran
 from llm.models.args import ModelArgs, RopeScaling
 from llm.models.build import build_model, materialize
 from llm.models.counting import causal_flops_per_token, flops_per_token, num_params
+from llm.models.freeze import freeze
 from llm.models.hf import from_hf, to_hf
 from llm.models.hf_source import HFSource
 from llm.models.shapes import MODEL_SHAPES, model_args
@@ -36,6 +37,7 @@ __all__ = [
     "causal_flops_per_token",
     "flat_range",
     "flops_per_token",
+    "freeze",
     "from_hf",
     "materialize",
     "materialize_from",

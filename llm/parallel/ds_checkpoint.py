@@ -108,6 +108,11 @@ def checkpoint_state(engine, inner, group_names: list[list[str]], group, shard: 
 
     model, states = {}, {}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            # Frozen (model.freeze; refused at stage 3): no master and no state, a whole
+            # replica on every rank, saved once and loaded in place.
+            model[name] = p.detach()
+            continue
         shape, f = getattr(p, "ds_shape", p.shape), frags[name]  # ZeRO-3 empties p.data
         model[name] = entry(f, shape, None)
         states[name] = {k: entry(f, shape, k) for k in moments} | scalars
