@@ -37,7 +37,11 @@ from contextlib import ExitStack, contextmanager
 from functools import partial
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 
 from llm.memory.process import cuda_peak_bytes
 
@@ -73,7 +77,9 @@ def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
     """The storages behind ``t``: a DTensor's local shard, a float8 tensor's data and scale."""
     if is_traceable_wrapper_subclass(t):
         for name in t.__tensor_flatten__()[0]:
-            yield from _storages(getattr(t, name))
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _storages(inner)
     else:
         yield t.untyped_storage()
 
@@ -84,9 +90,11 @@ class _OpOutputs(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t not in _PLAIN for t in types):
-            return NotImplemented  # a tensor subclass (DTensor, float8): its inner ops return
+        if types and any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # DTensor, float8: their inner ops on plain tensors return
         out = func(*args, **(kwargs or {}))
+        if types and any(t not in _PLAIN for t in types):
+            return out  # fake tensors (DTensor's sharding propagation) hold no memory
         see = self.tracker._see
         if isinstance(out, torch.Tensor):
             see(out)
