@@ -70,6 +70,28 @@ def test_zero_matches_single_process(tmp_path, text_corpus, cache_dir, reference
     assert summary["skipped_steps"] == 0
 
 
+@pytest.mark.parametrize(
+    "model,stage,nproc", [("gpt2-tiny", 1, 2), ("gpt2-tiny", 2, 2), ("llama-tiny", 3, 3)]
+)
+def test_default_bucket_size_runs(tmp_path, text_corpus, cache_dir, model, stage, nproc):
+    """The defaults (25 MB buckets, the BPE tokenizer): one bucket holds the whole model, so
+    a rank's slice can miss the undecayed group entirely; its optimizer group is empty."""
+    summary, out = run(
+        tmp_path,
+        "defaults",
+        text_corpus,
+        cache_dir,
+        f"model={model}",
+        f"parallelism=zero{stage}",
+        f"launcher.nproc_per_node={nproc}",
+        "data.tokenizer=bpe",
+        "train.micro_batch_size=2",
+        "train.max_steps=2",
+    )
+    assert sorted(train_losses(out)) == [1, 2]
+    assert summary["skipped_steps"] == 0
+
+
 def _phi(summary) -> int:
     return summary["n_params"]
 

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from llm.config import OptimizerConfig
-from llm.errors import ConfigError
 from llm.memory import storage_bytes
 from llm.optim import optimizer_for_groups, param_groups, wrap_optimizer
 from llm.parallel.single import SingleStrategy
@@ -101,11 +100,9 @@ class ZeroStrategy(SingleStrategy):
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 groups[group_of[piece.slot.param]]["params"].append(tensor)
                 self.piece_params.append((piece, tensor))
-        if any(not g["params"] for g in groups):
-            raise ConfigError(
-                f"parallelism=zero{self.stage}: a rank owns no slice of some parameter group "
-                f"at world size {self.world}; lower the world size or use parallelism=ddp"
-            )
+        # A rank's slice may miss a group (one bucket's slice holding only matrices, say):
+        # torch optimizers step empty groups as no-ops, and every rank keeps every group so
+        # that param_groups line up across ranks in checkpoints.
         self.optimizer = wrap_optimizer(
             optimizer_for_groups(groups, cfg), self.precision.update_rounding
         )
@@ -210,13 +207,15 @@ class ZeroStrategy(SingleStrategy):
         each piece belongs to, summed across ranks in one all-reduce."""
         slots = [buf_slot for buf in self.buffers for buf_slot in buf.bucket.slots]
         index = {id(s): i for i, s in enumerate(slots)}
-        sq = torch.zeros(len(slots), dtype=torch.float32, device=tensors[0].device)
+        # On the communication device (NCCL takes no CPU tensor), also on a rank that owns
+        # no piece: every rank must join the all-reduce.
+        sq = torch.zeros(len(slots), dtype=torch.float32, device=self.device)
         owners = [index[id(piece.slot)] for piece, _ in self.piece_params]
         for owner, t in zip(owners, tensors, strict=True):
-            sq[owner] += t.float().pow(2).sum()
+            sq[owner] += t.float().pow(2).sum().to(self.device)
         dist.all_reduce(sq, group=self.group)
         norms = sq.sqrt()
-        return [norms[owner] for owner in owners]
+        return [norms[owner].to(t.device) for owner, t in zip(owners, tensors, strict=True)]
 
     # ---- accounting and checkpoints ---------------------------------------------------
     def _count(self, kind: str, payload: torch.Tensor) -> None:
