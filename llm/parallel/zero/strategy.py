@@ -22,23 +22,42 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llm.config import OptimizerConfig
+from llm.config import OptimizerConfig, ParallelismConfig
 from llm.memory import storage_bytes
 from llm.optim import optimizer_for_groups, param_groups, wrap_optimizer
-from llm.parallel.single import SingleStrategy
+from llm.parallel.mesh import ParallelDims
+from llm.parallel.step import StepResult, overflow_checked_step
 from llm.parallel.strategy import register_strategy
 from llm.parallel.zero import state
 from llm.parallel.zero.buffers import BucketBuffers
 from llm.parallel.zero.collectives import all_gather, reduce_scatter
 from llm.parallel.zero.gather import UnitGatherer
 from llm.parallel.zero.layout import build_buckets
+from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 
-class ZeroStrategy(SingleStrategy):
+class ZeroStrategy:
+    """The strategy protocol (llm/parallel/strategy.py) for one ZeRO stage; its step is
+    llm.parallel.step's overflow-checked step over this rank's gradient shards."""
+
+    name = "zero"
     stage = 0
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        cfg: ParallelismConfig,
+        dims: ParallelDims,
+        precision: PrecisionPolicy,
+        device: torch.device,
+        loss_scaler: LossScaler | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dims = dims
+        self.precision = precision
+        self.device = device
+        self.scaler = loss_scaler or disabled_loss_scaler()
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self.group = self.dims.dp_group()
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
@@ -163,12 +182,23 @@ class ZeroStrategy(SingleStrategy):
         if self.gatherer is not None:
             self.gatherer.free_all()
 
-    # ---- step -------------------------------------------------------------------------
-    @property
-    def grad_replicas(self) -> int:
-        return 1  # every gradient element lives on exactly one rank
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale_loss(loss).backward()
 
-    def local_grads(self) -> list[torch.Tensor]:
+    # ---- step -------------------------------------------------------------------------
+    def clip_and_step(self, max_norm: float) -> StepResult:
+        return overflow_checked_step(
+            self._master_grads(),
+            max_norm,
+            self.scaler,
+            self._optimizer_step,
+            self._nonfinite_grad_names,
+            self.device,
+            grad_replicas=1,  # every gradient element lives on exactly one rank
+            group=self.group,
+        )
+
+    def _master_grads(self) -> list[torch.Tensor]:
         # fp32 master gradients: norms of 16-bit scaled gradients would overflow.
         grads = [buf.master_grad() for buf in self.buffers]
         for buf, grad in zip(self.buffers, grads, strict=True):
@@ -177,7 +207,7 @@ class ZeroStrategy(SingleStrategy):
                 tensor.grad = grad[piece.start - lo : piece.stop - lo]
         return grads
 
-    def nonfinite_grad_names(self) -> list[str]:
+    def _nonfinite_grad_names(self) -> list[str]:
         names = []
         for buf in self.buffers:
             lo = buf.bucket.shard_range(self.rank)[0]
@@ -186,7 +216,7 @@ class ZeroStrategy(SingleStrategy):
                     names.append(piece.slot.name)
         return names
 
-    def optimizer_step(self) -> None:
+    def _optimizer_step(self) -> None:
         self.optimizer.step()
         for buf in self.buffers:
             if buf.master is not buf.shard:
