@@ -139,7 +139,15 @@ def _root_params(summary) -> int:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_communication_per_step_is_2phi_or_3phi(tmp_path, text_corpus, cache_dir, stage):
-    summary, _ = run_zero(tmp_path, text_corpus, cache_dir, stage, 2, "train.max_steps=3")
+    summary, _ = run_zero(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        stage,
+        2,
+        "train.max_steps=3",
+        "parallelism.count_comm=true",
+    )
     phi = _phi(summary)
     slack = 64 * 2 * 4  # padding: fewer than N elements per bucket, fp32
     for rank in summary["comm_bytes_per_step"]:
@@ -156,7 +164,12 @@ def test_communication_per_step_is_2phi_or_3phi(tmp_path, text_corpus, cache_dir
 
 
 def test_stage1_waits_for_the_last_micro_batch_stage2_does_not(tmp_path, text_corpus, cache_dir):
-    acc = ("train.grad_accum_steps=2", "train.micro_batch_size=2", "train.max_steps=3")
+    acc = (
+        "train.grad_accum_steps=2",
+        "train.micro_batch_size=2",
+        "train.max_steps=3",
+        "parallelism.count_comm=true",
+    )
     one, _ = run(
         tmp_path,
         "z1",
