@@ -351,6 +351,9 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
         _require_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        _require_choice(
+            "train", "memory_tracking", self.memory_tracking, ("logged", "every_step", "off")
+        )
 
 
 @dataclass

@@ -17,6 +17,22 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from llm.config import LoggerConfig
 
 
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """One level of keys for W&B: nested dicts join with "/", and lists (in our metrics
+    and summary, always one entry per rank) name their items rank0, rank1, ...:
+    ``memory_peak/rank0/params``. None is dropped."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, list):
+            value = {f"rank{i}": v for i, v in enumerate(value)}
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}/"))
+        elif value is not None:
+            flat[name] = value
+    return flat
+
+
 def _finite_or_none(value: Any) -> Any:
     # JSON has no NaN/inf; a NaN loss is logged as null (the monitor reports it).
     if isinstance(value, float) and not math.isfinite(value):
@@ -93,7 +109,7 @@ class RunLogger:
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+            self.wandb_run.log(flatten(metrics), step=step)
         if self.progress is None:
             shown = "  ".join(
                 f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
@@ -118,8 +134,10 @@ class RunLogger:
         with open(self.output_dir / "summary.json", "w") as f:
             json.dump({k: _finite_or_none(v) for k, v in summary.items()}, f, indent=2)
         if self.wandb_run is not None:
-            flat = {k: v for k, v in summary.items() if isinstance(v, int | float | str)}
-            self.wandb_run.summary.update(flat)
+            flat = flatten(summary)
+            self.wandb_run.summary.update(
+                {k: v for k, v in flat.items() if isinstance(v, int | float | str)}
+            )
 
     def close(self) -> None:
         if self.progress is not None:

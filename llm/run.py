@@ -20,6 +20,7 @@ from llm.data import build_train_loader, build_val_loader, prepare_data
 from llm.dist import RankEnv, gather_object, init_distributed
 from llm.errors import ConfigError
 from llm.logging import NullLogger, RunLogger
+from llm.memory import PeakTracker
 from llm.models import build_model, flops_per_token, from_hf, materialize, num_params
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
@@ -101,14 +102,16 @@ def main(cfg: Config, env: RankEnv) -> dict:
         shared = [cfg.output_dir]
         dist.broadcast_object_list(shared, src=0)
         cfg = dataclasses.replace(cfg, output_dir=shared[0])
+    tracker = PeakTracker(device, cfg.train.memory_tracking)
     try:
-        return _train(cfg, env, device)
+        return _train(cfg, env, device, tracker)
     finally:
+        tracker.end()  # a start-up that raised leaves its window open
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
+def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker) -> dict:
     torch.manual_seed(cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -126,6 +129,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     output_dir = Path(cfg.output_dir)
 
     prepared = _prepare_data_rank0_first(cfg, env)
+    tracker.begin("startup")  # model build, wrap and optimizer: one phase of the peak tracker
     model, args, loaded = build_model_for(cfg, prepared.tokenizer.vocab_size)
     if args.vocab_size < prepared.tokenizer.vocab_size:
         raise ConfigError(
@@ -144,6 +148,8 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
     if cfg.train.compile:
         model = torch.compile(model)
     optimizer = strategy.build_optimizer(model, cfg.optimizer)
+    tracker.watch(strategy.state_tensors)
+    tracker.end()
     scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps)
 
     train_loader = build_train_loader(
@@ -188,6 +194,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device) -> dict:
         flops_per_token=flops_per_token(args, cfg.data.seq_len),
         peak_flops=peak_flops(device, precision.flops_dtype),
         device=device,
+        tracker=tracker,
     )
     try:
         if checkpointer is not None and (path := checkpointer.resolve(cfg.checkpoint.resume)):
@@ -210,6 +217,20 @@ def _prepare_data_rank0_first(cfg: Config, env: RankEnv):
     return prepared if env.rank == 0 else prepare_data(cfg.data)
 
 
+def _memory_facts(summary: dict) -> dict:
+    """Peaks from every rank: per-rank lists, and the highest over ranks (None where no rank
+    measured one: tracking off on CPU)."""
+    per_rank = ("memory_peak", "memory_peak_by_phase", "cuda_max_allocated_bytes")
+    highest = ("peak_memory_bytes", "max_peak_memory_bytes", "process_peak_rss_bytes")
+    ranks = gather_object({key: summary[key] for key in per_rank + highest})
+    facts = {key: [r[key] for r in ranks] for key in per_rank}
+    if all(v is None for v in facts["cuda_max_allocated_bytes"]):
+        del facts["cuda_max_allocated_bytes"]  # CPU
+    for key in highest:
+        facts[key] = max((r[key] for r in ranks if r[key] is not None), default=None)
+    return facts
+
+
 def _run_facts(
     cfg: Config, env: RankEnv, device: torch.device, summary: dict, args, dims, precision
 ) -> dict:
@@ -217,7 +238,7 @@ def _run_facts(
         # Per-rank figures are gathered so rank 0's summary holds every rank's.
         "model_state_bytes": gather_object(summary["model_state_bytes"]),
         "comm_bytes_per_step": gather_object(summary["comm_bytes_per_step"]),
-        "peak_memory_bytes": max(gather_object(summary["peak_memory_bytes"])),
+        **_memory_facts(summary),
         "world_size": env.world_size,
         "dp_size": dims.dp_size,
         "strategy": cfg.parallelism.name,

@@ -1,16 +1,30 @@
-"""Measuring memory: bytes of tensor storages by kind, activations autograd saves, and the
-process's or allocator's peaks."""
+"""Measuring memory: bytes of tensor storages by kind, activations autograd saves, the peak
+of live tensor bytes by category and phase, and the process's or allocator's peaks."""
 
 from llm.memory.activations import ActivationMemoryCounter
+from llm.memory.peak import CATEGORIES, MODES, PeakTracker
 from llm.memory.process import cuda_peak_bytes, peak_rss_bytes, process_rss_bytes
-from llm.memory.storage import local_shard, model_state_bytes, storage_bytes
+from llm.memory.storage import (
+    local_shard,
+    model_state_bytes,
+    module_state_tensors,
+    optimizer_state_tensors,
+    state_bytes,
+    storage_bytes,
+)
 
 __all__ = [
+    "CATEGORIES",
+    "MODES",
     "ActivationMemoryCounter",
+    "PeakTracker",
     "cuda_peak_bytes",
     "local_shard",
     "model_state_bytes",
+    "module_state_tensors",
+    "optimizer_state_tensors",
     "peak_rss_bytes",
     "process_rss_bytes",
+    "state_bytes",
     "storage_bytes",
 ]

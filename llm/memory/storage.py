@@ -22,7 +22,7 @@ except ImportError:  # torch built without distributed support
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds: a DTensor's local tensor, any other tensor itself."""
     if DTensor is not None and isinstance(t, DTensor):
-        return t.tolocal_shard()
+        return t.to_local()
     return t
 
 
@@ -47,22 +47,34 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor in ``optimizer.state`` (AdamW's exp_avg, exp_avg_sq and its scalar ``step``
+    tensors alike); non-tensor entries (plain-float steps) hold no device memory."""
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def module_state_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, list[torch.Tensor]]:
+    """The params, grads and optimizer states of a model (a strategy's ``state_tensors()``
+    when it holds whole or DTensor-sharded parameters)."""
+    params = list(model.parameters())
+    return {
+        "params": params,
+        "grads": [p.grad for p in params if p.grad is not None],
+        "optimizer_states": optimizer_state_tensors(optimizer),
+    }
+
+
+def state_bytes(state: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Bytes of each category of ``state_tensors()``, each storage once per category."""
+    return {kind: storage_bytes(tensors) for kind, tensors in state.items()}
+
+
 def model_state_bytes(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, int]:
-    """Bytes this rank holds for params, grads and optimizer states, from tensor storages.
-
-    Optimizer states are every tensor in ``optimizer.state`` (AdamW's exp_avg, exp_avg_sq
-    and its scalar ``step`` tensors alike); non-tensor entries (plain-float steps) hold no
-    device memory and are skipped.
-    """
-    params = list(model.parameters())
-    states = []
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            states.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return {
-        "params": storage_bytes(params),
-        "grads": storage_bytes(p.grad for p in params),
-        "optimizer_states": storage_bytes(states),
-    }
+    """Bytes this rank holds for params, grads and optimizer states, from tensor storages."""
+    return state_bytes(module_state_tensors(model, optimizer))

@@ -14,6 +14,16 @@ The engine is built from a ds_config generated from our groups (or a user's file
 - the optimizer our scheduler drives is the torch optimizer inside the engine, whose param
   groups DeepSpeed steps: the lr our LambdaLR writes there is the lr DeepSpeed applies.
 - comm() reads DeepSpeed's comms logger (enabled in every config we hand over).
+- state_tensors() names what the engine holds now (working params and ZeRO-3 partitions,
+  module and master .grad and ZeRO's gradient partitions, fp32 master partitions and
+  moments). The peak tracker (llm/memory/peak.py) reads it at the same moments for every
+  strategy: at each phase boundary and when autograd finishes a backward, which is before
+  DeepSpeed's own end-of-backward epilogue reduces the full gradients and frees them. So
+  DeepSpeed's memory_peak is measured like ours, not at a point of its own.
+- memory() (the steady-state model_state_bytes) is state_tensors()' bytes, except that
+  DeepSpeed frees gradients inside step(), where every other strategy keeps them until
+  zero_grad(): its grads are the most this rank held during the last step, sampled when
+  autograd finishes each backward (the tracker's moment) and after DeepSpeed's epilogue.
 
 Under fp32 DeepSpeed does not check gradients for inf/nan (fp16 and bf16 do, and skip), so a
 non-finite step is applied; the monitor's stop_on_nan ends such a run.
@@ -36,7 +46,7 @@ from torch import nn
 
 from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
-from llm.memory import storage_bytes
+from llm.memory import optimizer_state_tensors, state_bytes, storage_bytes
 from llm.optim import build_optimizer, param_groups
 from llm.parallel import ds_checkpoint as ckpt
 from llm.parallel.ds_config import checked_ds_config
@@ -168,7 +178,7 @@ class DeepSpeedStrategy:
         return grad
 
     def _sample_grads(self) -> None:
-        self._grad_bytes = max(self._grad_bytes, self._held_grad_bytes())
+        self._grad_bytes = max(self._grad_bytes, storage_bytes(self._held_grads()))
 
     def clip_and_step(self, max_norm: float) -> StepResult:
         scale = self._loss_scale()  # the one this step's backward used
@@ -213,30 +223,34 @@ class DeepSpeedStrategy:
         self._sent_before = self._comm_totals()  # the restore's gathers are no step's
 
     # ---- measurements -----------------------------------------------------------------
-    def _held_grad_bytes(self) -> int:
+    def _held_grads(self) -> list[torch.Tensor]:
         opt = self.engine.optimizer
         held = [p.grad for p in self.engine.module.parameters()]
         held += [flat.grad for flat, _ in self._flats()]
         for attr in GRAD_BUFFERS:
             held += _tensors(getattr(opt, attr, None))
-        return storage_bytes(held)
+        return [g for g in held if g is not None]
 
-    def memory(self) -> dict[str, int]:
-        """Bytes this rank holds: working params (ZeRO-3: its partitions plus persistent and
-        currently gathered params), gradients at their largest during the last step (after
-        a backward or before the step: DeepSpeed frees them inside step()), and fp32 master
-        partitions plus optimizer states."""
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Working params (ZeRO-3: its partitions plus persistent and currently gathered
+        params), gradients held now, and fp32 master partitions plus optimizer states."""
+        if self.engine is None:
+            return {}
         module = self.engine.module
         params = list(module.parameters()) + [
             getattr(p, "ds_tensor", None) for p in module.parameters()
         ]
         masters = [flat for flat, _ in self._flats()] if self.cfg.zero_stage else []
-        states = [v for s in self.inner.state.values() for v in s.values() if torch.is_tensor(v)]
         return {
-            "params": storage_bytes(params),
-            "grads": self._step_grad_bytes,
-            "optimizer_states": storage_bytes(masters + states),
+            "params": [p for p in params if p is not None],
+            "grads": self._held_grads(),
+            "optimizer_states": masters + optimizer_state_tensors(self.inner),
         }
+
+    def memory(self) -> dict[str, int]:
+        """state_tensors()' bytes, with grads at their largest during the last step
+        (DeepSpeed frees them inside step())."""
+        return {**state_bytes(self.state_tensors()), "grads": self._step_grad_bytes}
 
     def _comm_totals(self) -> Counter[str]:
         totals: Counter[str] = Counter()

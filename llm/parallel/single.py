@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from llm.config import OptimizerConfig, ParallelismConfig
-from llm.memory import model_state_bytes
+from llm.memory import module_state_tensors, state_bytes
 from llm.optim import build_optimizer, wrap_optimizer
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult, overflow_checked_step
@@ -111,8 +111,15 @@ class SingleStrategy:
         )
         self.scaler.load_state_dict(state["loss_scaler"])
 
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The params, grads and optimizer states this rank holds now (DTensors under FSDP:
+        their local shards are what is counted)."""
+        if self.model is None:
+            return {}
+        return module_state_tensors(self.model, self.optimizer)
+
     def memory(self) -> dict[str, int]:
-        return model_state_bytes(self.model, self.optimizer)
+        return state_bytes(self.state_tensors())
 
     def comm(self) -> dict[str, int]:
         return {}

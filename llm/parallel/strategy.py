@@ -3,7 +3,9 @@
 A strategy owns how a model is wrapped, how its optimizer is built, how gradients are
 produced and synchronised (forward and ``backward(loss)`` run inside ``micro_batch(sync)``,
 with sync False inside gradient accumulation), how a step is taken (clipping included),
-what its checkpoint state is, and what it holds and sends (``memory()``, ``comm()``).
+what its checkpoint state is, and what it holds and sends (``state_tensors()``: the params,
+grads and optimizer states this rank holds now, which the peak tracker classifies by;
+``memory()``: their bytes; ``comm()``).
 
 Convention: gradients are AVERAGED over data-parallel ranks (as DDP does), so the Trainer
 scales each rank's summed loss by dp_size / (target tokens in the global batch).
@@ -45,6 +47,8 @@ class Strategy(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]: ...
 
     def memory(self) -> dict[str, int]: ...
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from llm.config import Config
 from llm.data import IGNORE
-from llm.memory import cuda_peak_bytes, peak_rss_bytes
+from llm.dist import gather_object
+from llm.memory import PeakTracker, peak_rss_bytes
 from llm.parallel.step import StepResult
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import StepTimer, mfu
@@ -31,6 +32,10 @@ class TrainState:
     comm_per_step: dict[str, int] = field(default_factory=dict)
     comm_steps: int = 0
     skipped_steps: int = 0  # overflowing steps the strategy did not apply
+
+
+def _total(peak: dict | None) -> int | None:
+    return None if peak is None else peak["total"]
 
 
 def _perplexity(loss: float) -> float:
@@ -80,6 +85,7 @@ class Trainer:
         flops_per_token: float,
         peak_flops: float | None,
         device: torch.device,
+        tracker: PeakTracker | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -96,6 +102,9 @@ class Trainer:
         self.state = TrainState()
         self.model_state_bytes: dict[str, int] = {}
         self.dp_size = strategy.dims.dp_size
+        # llm.run hands over the tracker that measured start-up, so the run has one.
+        self.tracker = tracker or PeakTracker(device, cfg.train.memory_tracking)
+        self.tracker.watch(strategy.state_tensors)
 
     # ---- checkpoint state -------------------------------------------------------------
     def trainer_state(self) -> dict:
@@ -108,7 +117,8 @@ class Trainer:
         }
 
     def resume(self, path) -> None:
-        saved = self.checkpointer.load(path, self.strategy)
+        with self.tracker.region("checkpoint_load"):
+            saved = self.checkpointer.load(path, self.strategy)
         self.state.step = saved["step"]
         self.state.tokens_seen = saved["tokens_seen"]
         self.state.skipped_steps = saved.get("skipped_steps", 0)
@@ -118,7 +128,8 @@ class Trainer:
 
     def save(self) -> None:
         if self.checkpointer is not None:
-            path = self.checkpointer.save(self.state.step, self.strategy, self.trainer_state())
+            with self.tracker.region("checkpoint_save"):
+                path = self.checkpointer.save(self.state.step, self.strategy, self.trainer_state())
             self.logger.info(f"saved checkpoint {path}")
 
     # ---- one step ---------------------------------------------------------------------
@@ -146,20 +157,34 @@ class Trainer:
         # summed loss by dp_size / global_tokens yields the per-token mean over the whole
         # accumulated global batch: k micro-batches of b equal one batch of k*b.
         scale = self.dp_size / max(global_tokens, 1.0)
+        step = self.state.step + 1
+        with self.tracker.step(self.tracker.tracks(logged=self._logs_at(step))):
+            loss_sum, result = self._step_on(batches, scale)
+            if self._logs_at(step):
+                # Sampled while gradients exist: what a rank holds at its peak of model state.
+                self.model_state_bytes = self.strategy.memory()
+            self.strategy.zero_grad()
+        (total,) = _all_reduce_sum([loss_sum], self.device)
+        return total / max(global_tokens, 1.0), result, stop_votes > 0
+
+    def _step_on(self, batches: list, scale: float) -> tuple[torch.Tensor, StepResult]:
+        """Forward and backward of every micro-batch, then the optimizer step, each a phase
+        of the peak tracker. Returns (the summed loss, the strategy's step result)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y) in enumerate(batches):
             with self.strategy.micro_batch(sync=i == len(batches) - 1):
+                self.tracker.phase("forward")
                 loss = self._loss_sum(x, y)
-                self.strategy.backward(loss * scale)
+                self.tracker.phase("backward")
+                scaled = loss * scale
+                self.tracker.watch_backward(scaled)
+                self.strategy.backward(scaled)
+            # The micro-batch's exit (a strategy's end-of-backward reduction) is backward too.
             loss_sum += loss.detach()  # no .item(): a host sync per micro-batch stalls a GPU
+        self.tracker.phase("optimizer_step")
         result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
         self.scheduler.step()
-        if self._logs_at(self.state.step + 1):
-            # Sampled while gradients exist: what a rank holds at its peak of model state.
-            self.model_state_bytes = self.strategy.memory()
-        self.strategy.zero_grad()
-        (total,) = _all_reduce_sum([loss_sum], self.device)
-        return total / max(global_tokens, 1.0), result, stop_votes > 0
+        return loss_sum, result
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -255,15 +280,38 @@ class Trainer:
         out["data_wait_share"] = timer.last.data_wait_share
         out["mfu"] = self._mfu(self._last_tps())
         out["tokens_seen"] = self.state.tokens_seen
-        out["peak_memory_bytes"] = self.peak_memory()
+        out.update(self._step_memory())
         for kind, value in self.model_state_bytes.items():
             out[f"memory/{kind}_bytes"] = value
         return out
 
-    def peak_memory(self) -> int:
+    def _step_memory(self) -> dict:
+        """This step's peaks from every rank: the tracker's (when it tracked the step) and on
+        CUDA the allocator's; peak_memory_bytes is the highest, the allocator's on CUDA."""
+        ranks = gather_object((self.tracker.last_step, self.tracker.last_cuda_peak))
+        out = {}
+        if all(peak is not None for peak, _ in ranks):
+            out["memory_peak"] = [peak for peak, _ in ranks]
         if self.device.type == "cuda":
-            return cuda_peak_bytes(self.device)
-        return peak_rss_bytes()
+            out["cuda_max_allocated_bytes"] = [cuda for _, cuda in ranks]
+            out["peak_memory_bytes"] = max(cuda for _, cuda in ranks)
+        elif "memory_peak" in out:
+            out["peak_memory_bytes"] = max(peak["total"] for peak in out["memory_peak"])
+        return out
+
+    def memory_summary(self) -> dict:
+        """This rank's peaks over the run; llm.run gathers them from every rank."""
+        t = self.tracker
+        on_cuda = self.device.type == "cuda"
+        phase_max = max((p["total"] for p in t.by_phase.values()), default=None)
+        return {
+            "memory_peak": t.best_step,
+            "memory_peak_by_phase": t.by_phase,
+            "peak_memory_bytes": t.cuda_step_peak if on_cuda else _total(t.best_step),
+            "max_peak_memory_bytes": t.cuda_run_peak if on_cuda else phase_max,
+            "cuda_max_allocated_bytes": t.cuda_step_peak,
+            "process_peak_rss_bytes": peak_rss_bytes(),
+        }
 
     def summary(self, stopped: bool) -> dict:
         # Steady-state throughput: drop the first steps (allocator warm-up, compilation).
@@ -284,7 +332,7 @@ class Trainer:
             "skipped_steps": self.state.skipped_steps,
             "tokens_per_sec": median_tps,
             "mfu": self._mfu(median_tps),
-            "peak_memory_bytes": self.peak_memory(),
+            **self.memory_summary(),
             "model_state_bytes": self.model_state_bytes,
             "comm_bytes_per_step": {k: v / steps for k, v in self.state.comm_per_step.items()},
         }

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig
-from llm.memory import storage_bytes
+from llm.memory import optimizer_state_tensors, state_bytes
 from llm.optim import optimizer_for_groups, param_groups, wrap_optimizer
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult, overflow_checked_step
@@ -266,23 +266,24 @@ class ZeroStrategy:
         sent, self._sent = dict(self._sent), Counter()
         return sent
 
-    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds now, by kind (live at any moment, also mid-backward:
-        gradient buckets in flight count as gradients)."""
-        in_flight = [t for buf, payload, out, _ in self.reducer.pending for t in (payload, out)]
-        states = [
-            v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-        ]
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Working params (stage 3: the full buffers hold only the blocks gathered now, their
+        storages resized to 0 otherwise) and the shards; gradient shards, full gradient
+        buckets and the reduce-scatters in flight while they exist; fp32 masters (when not
+        the shard itself) and moments."""
+        in_flight = []
+        if self.reducer is not None:
+            in_flight = [t for _, payload, out, _ in self.reducer.pending for t in (payload, out)]
+        grads = [t for b in self.buffers for t in (b.grad_full, b.grad_shard, b.host_grad)]
         return {
             "params": [b.full for b in self.buffers] + [b.shard for b in self.buffers],
-            "grads": [t for b in self.buffers for t in (b.grad_full, b.grad_shard, b.host_grad)]
-            + in_flight,
+            "grads": [t for t in grads if t is not None] + in_flight,
             "optimizer_states": [b.master for b in self.buffers if b.master is not b.shard]
-            + states,
+            + optimizer_state_tensors(self.optimizer),
         }
 
     def memory(self) -> dict[str, int]:
-        return {kind: storage_bytes(ts) for kind, ts in self.memory_tensors().items()}
+        return state_bytes(self.state_tensors())
 
     def state_dict(self) -> dict:
         return state.gather_state(self)

@@ -1,0 +1,220 @@
+"""The peak-memory tracker: known allocations land in their category and phase, storages
+resized in place are re-measured, `off` records nothing; and a training run reports it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm.memory import CATEGORIES, PeakTracker, module_state_tensors
+from tests.helpers import read_metrics, run
+
+CPU = torch.device("cpu")
+N = 1024  # elements of the parameter; 4 KiB in fp32
+
+
+def _parts(peak: dict) -> int:
+    return sum(peak[c] for c in CATEGORIES)
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(N))
+    opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9)  # one momentum buffer per param
+    tracker = PeakTracker(CPU, "every_step")
+    tracker.watch(
+        lambda: {
+            "params": [weight],
+            "grads": [weight.grad],
+            "optimizer_states": [v for s in opt.state.values() for v in s.values()],
+        }
+    )
+    return weight, opt, tracker
+
+
+def _step(weight, opt, tracker, temp_elems: int = 0):
+    x = torch.randn(N)  # made before the step: the tracker sees it only once saved
+    with tracker.step(tracked=True):
+        act = weight * x  # an op output saved by the next op: an activation
+        loss = (act * act).sum()
+        tracker.phase("backward")
+        tracker.watch_backward(loss)
+        loss.backward()
+        tracker.phase("optimizer_step")
+        if temp_elems:
+            temp = torch.ones(temp_elems)  # a temporary at the step: "other"
+            del temp
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return tracker.last_step
+
+
+def test_each_category_holds_its_known_allocation(setup):
+    weight, opt, tracker = setup
+    _step(weight, opt, tracker)  # creates the grad and the momentum buffer
+    peak = _step(weight, opt, tracker, temp_elems=64 * N)
+    assert peak["phase"] == "optimizer_step"
+    assert peak["params"] == peak["grads"] == peak["optimizer_states"] == 4 * N
+    assert peak["other"] >= 4 * 64 * N  # the temporary (plus SGD's own, if any)
+    assert peak["total"] == _parts(peak)
+    forward = tracker.by_phase["forward"]
+    # x (saved by mul) and act (saved by the second mul) are held for backward at the peak.
+    assert forward["activations"] == 2 * 4 * N
+    assert forward["total"] == _parts(forward)
+
+
+def test_gradients_made_during_backward_count_as_grads(setup):
+    weight, _, tracker = setup
+    with tracker.step(tracked=True):
+        loss = (weight * 2).sum()  # saves nothing: the backward's peak holds the new grad
+        tracker.phase("backward")
+        tracker.watch_backward(loss)
+        loss.backward()
+    backward = tracker.by_phase["backward"]
+    # Made by an op while unclassified, named by state_tensors() when backward ends.
+    assert backward["grads"] == 4 * N
+    assert backward["other"] < 4 * N
+    assert tracker.totals["grads"] == 4 * N
+
+
+def test_activations_are_released_after_backward(setup):
+    weight, opt, tracker = setup
+    _step(weight, opt, tracker)
+    assert tracker.totals["activations"] == 0
+
+
+def test_storage_resized_to_zero_and_back_is_remeasured():
+    full = torch.zeros(N)
+    tracker = PeakTracker(CPU, "every_step")
+    tracker.watch(lambda: {"params": [full]})
+    full.untyped_storage().resize_(0)  # freed before tracking began (ZeRO-3, FSDP2)
+    with tracker.step(tracked=True):
+        assert tracker.totals["params"] == 0
+        full.untyped_storage().resize_(4 * N)  # gathered: no op output shows it
+        assert tracker.totals["params"] == 4 * N
+        full.untyped_storage().resize_(0)
+        assert tracker.totals["params"] == 0
+        tracker.phase("backward")
+    peak = tracker.last_step
+    assert peak["params"] == 4 * N and peak["phase"] == "forward"
+    assert tracker.by_phase["backward"]["params"] == 0
+    # Outside a window sizes are re-read when the next one opens.
+    full.untyped_storage().resize_(4 * N)
+    with tracker.step(tracked=True):
+        assert tracker.totals["params"] == 4 * N
+
+
+def test_peak_falls_in_the_phase_that_allocated_most():
+    tracker = PeakTracker(CPU, "every_step")
+    with tracker.step(tracked=True):
+        small = torch.ones(N)
+        tracker.phase("backward")
+        big = torch.ones(8 * N)
+        del big
+        tracker.phase("optimizer_step")
+        mid = torch.ones(2 * N)
+        del small, mid
+    assert tracker.last_step["phase"] == "backward"
+    assert tracker.last_step["other"] == 4 * 9 * N
+    assert tracker.by_phase["optimizer_step"]["other"] == 4 * 3 * N
+
+
+def test_regions_are_phases_of_their_own():
+    tracker = PeakTracker(CPU, "logged")
+    with tracker.region("checkpoint_save"):
+        buf = torch.ones(N)
+        del buf
+    assert tracker.by_phase["checkpoint_save"]["other"] == 4 * N
+    assert tracker.best_step is None  # no training step was tracked
+
+
+def test_off_records_nothing(setup):
+    weight = setup[0]
+    tracker = PeakTracker(CPU, "off")
+    assert not tracker.tracks(logged=True)
+    with tracker.step(tracker.tracks(logged=True)):
+        (weight * 2).sum().backward()
+    with tracker.region("checkpoint_save"):
+        torch.ones(N)
+    assert tracker.last_step is None and tracker.best_step is None
+    assert tracker.by_phase == {} and tracker.current == 0
+
+
+def test_logged_mode_tracks_logged_steps_only():
+    tracker = PeakTracker(CPU, "logged")
+    assert tracker.tracks(logged=True) and not tracker.tracks(logged=False)
+    assert PeakTracker(CPU, "every_step").tracks(logged=False)
+
+
+def test_a_failed_region_leaves_no_mode_behind():
+    tracker = PeakTracker(CPU, "logged")
+    resize = torch.UntypedStorage.resize_
+    with pytest.raises(RuntimeError), tracker.region("startup"):
+        raise RuntimeError("boom")
+    assert torch.UntypedStorage.resize_ is resize
+    before = tracker.current
+    torch.ones(N)
+    assert tracker.current == before  # nothing is being tracked any more
+
+
+def test_module_state_is_counted_as_such():
+    model = torch.nn.Linear(8, 8)
+    tracker = PeakTracker(CPU, "every_step")
+    tracker.watch(lambda: module_state_tensors(model))
+    with tracker.step(tracked=True):
+        model(torch.ones(2, 8)).sum().backward()
+    peak = tracker.last_step
+    assert peak["params"] == 4 * (64 + 8)
+    assert tracker.totals["grads"] == 4 * (64 + 8)
+
+
+def test_one_process_run_reports_its_peak(tmp_path, text_corpus, cache_dir):
+    # Two micro-batches: the second one's forward and backward run beside the first one's
+    # gradients (with one, the peak is early in backward, before any gradient exists).
+    summary, out = run(
+        tmp_path, "single", text_corpus, cache_dir, "model=gpt2-tiny", "train.grad_accum_steps=2"
+    )
+    (peak,) = summary["memory_peak"]
+    state = summary["model_state_bytes"][0]
+    assert peak["params"] == state["params"]
+    assert peak["grads"] > 0 and peak["activations"] > 0
+    assert peak["total"] == _parts(peak)
+    assert peak["phase"] in {"forward", "backward", "optimizer_step"}
+    assert summary["peak_memory_bytes"] == peak["total"]  # CPU: the tracker's total
+    (by_phase,) = summary["memory_peak_by_phase"]
+    assert {"startup", "forward", "backward", "optimizer_step", "checkpoint_save"} <= set(by_phase)
+    assert by_phase["startup"]["params"] == state["params"]
+    assert summary["max_peak_memory_bytes"] == max(p["total"] for p in by_phase.values())
+    assert summary["process_peak_rss_bytes"] > summary["max_peak_memory_bytes"]
+    rows = [m for m in read_metrics(out) if "loss" in m]
+    assert all(len(m["memory_peak"]) == 1 for m in rows)  # log_every=1: every step is tracked
+    assert all(m["peak_memory_bytes"] == m["memory_peak"][0]["total"] for m in rows)
+
+
+def test_tracking_off_run_reports_no_peak(tmp_path, text_corpus, cache_dir):
+    summary, out = run(
+        tmp_path, "off", text_corpus, cache_dir, "train.memory_tracking=off", "train.max_steps=2"
+    )
+    assert summary["memory_peak"] == [None] and summary["memory_peak_by_phase"] == [{}]
+    assert summary["peak_memory_bytes"] is None
+    assert all("memory_peak" not in m for m in read_metrics(out))
+
+
+def test_two_rank_ddp_rows_have_one_peak_per_rank(tmp_path, text_corpus, cache_dir):
+    summary, out = run(
+        tmp_path,
+        "ddp",
+        text_corpus,
+        cache_dir,
+        "parallelism=ddp",
+        "launcher.nproc_per_node=2",
+        "train.max_steps=3",
+    )
+    rows = [m for m in read_metrics(out) if "loss" in m]
+    assert rows and all(len(m["memory_peak"]) == 2 for m in rows)
+    for row in rows:
+        assert row["peak_memory_bytes"] == max(p["total"] for p in row["memory_peak"])
+    assert len(summary["memory_peak"]) == 2
+    # Replicas: the same parameter bytes on both ranks.
+    assert summary["memory_peak"][0]["params"] == summary["memory_peak"][1]["params"] > 0
