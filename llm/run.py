@@ -129,7 +129,9 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
     torch.manual_seed(cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
-    precision = resolve_precision(cfg.precision.name, device, cfg.precision.update_rounding)
+    precision = resolve_precision(
+        cfg.precision.name, device, cfg.precision.update_rounding, cfg.precision.reduce_dtype
+    )
     precision.apply_backend_flags()
     dims = ParallelDims.from_config(
         cfg.parallelism.dp_size,

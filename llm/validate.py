@@ -54,7 +54,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if cfg.model.freeze and cfg.model.init_from is None:
         freeze(build_model(args), cfg.model.freeze)  # on the meta device: names only
     device = resolve_device(cfg)
-    precision = resolve_precision(cfg.precision.name, device)
+    precision = resolve_precision(
+        cfg.precision.name, device, cfg.precision.update_rounding, cfg.precision.reduce_dtype
+    )
 
     nproc = world_size or cfg.launcher.nproc_per_node
     if device.type == "cuda" and world_size is None and nproc > torch.cuda.device_count():

@@ -25,6 +25,15 @@ def ds_config(*overrides: str, precision: str = "fp32") -> dict:
     return build_ds_config(cfg, 2, resolve_precision(precision, CPU), False, d_model=64)
 
 
+def test_gradients_are_reduced_in_our_reduce_dtype():
+    assert ds_config(precision="bf16")["communication_data_type"] == "fp32"
+    cfg = compose_config(["output_dir=/tmp/unused", "parallelism=deepspeed"])
+    bf16_reduce = resolve_precision("bf16", CPU, reduce_dtype="bf16")
+    assert build_ds_config(cfg, 2, bf16_reduce, False, d_model=64)["communication_data_type"] == (
+        "bf16"
+    )
+
+
 def user_file(tmp_path: Path, content) -> str:
     path = tmp_path / "ds_config.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))

@@ -61,6 +61,13 @@ def test_bf16_pure_takes_the_configured_rounding():
     assert resolve_precision("bf16_pure", CPU, "kahan").update_rounding == "kahan"
 
 
+def test_reduce_dtype_overrides_the_policy_default():
+    assert resolve_precision("bf16", CPU, reduce_dtype="bf16").reduce_dtype == BF16
+    assert resolve_precision("bf16_pure", CPU, reduce_dtype="fp32").reduce_dtype == F32
+    with pytest.raises(ConfigError, match=r"precision.reduce_dtype='int8' is unknown"):
+        resolve_precision("bf16", CPU, reduce_dtype="int8")
+
+
 @pytest.mark.parametrize("name", ["tf32", "fp8"])
 def test_gpu_only_precisions_are_refused_on_cpu(name):
     with pytest.raises(ConfigError, match=f"precision={name} needs an NVIDIA GPU"):

@@ -70,6 +70,28 @@ def test_zero_matches_single_process(tmp_path, text_corpus, cache_dir, reference
     assert summary["skipped_steps"] == 0
 
 
+@pytest.mark.parametrize(
+    "model,stage,nproc", [("gpt2-tiny", 1, 2), ("gpt2-tiny", 2, 2), ("llama-tiny", 3, 3)]
+)
+def test_default_bucket_size_runs(tmp_path, text_corpus, cache_dir, model, stage, nproc):
+    """The defaults (25 MB buckets, the BPE tokenizer): one bucket holds the whole model, so
+    a rank's slice can miss the undecayed group entirely; its optimizer group is empty."""
+    summary, out = run(
+        tmp_path,
+        "defaults",
+        text_corpus,
+        cache_dir,
+        f"model={model}",
+        f"parallelism=zero{stage}",
+        f"launcher.nproc_per_node={nproc}",
+        "data.tokenizer=bpe",
+        "train.micro_batch_size=2",
+        "train.max_steps=2",
+    )
+    assert sorted(train_losses(out)) == [1, 2]
+    assert summary["skipped_steps"] == 0
+
+
 def _phi(summary) -> int:
     return summary["n_params"]
 
@@ -117,7 +139,15 @@ def _root_params(summary) -> int:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_communication_per_step_is_2phi_or_3phi(tmp_path, text_corpus, cache_dir, stage):
-    summary, _ = run_zero(tmp_path, text_corpus, cache_dir, stage, 2, "train.max_steps=3")
+    summary, _ = run_zero(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        stage,
+        2,
+        "train.max_steps=3",
+        "parallelism.count_comm=true",
+    )
     phi = _phi(summary)
     slack = 64 * 2 * 4  # padding: fewer than N elements per bucket, fp32
     for rank in summary["comm_bytes_per_step"]:
@@ -134,7 +164,12 @@ def test_communication_per_step_is_2phi_or_3phi(tmp_path, text_corpus, cache_dir
 
 
 def test_stage1_waits_for_the_last_micro_batch_stage2_does_not(tmp_path, text_corpus, cache_dir):
-    acc = ("train.grad_accum_steps=2", "train.micro_batch_size=2", "train.max_steps=3")
+    acc = (
+        "train.grad_accum_steps=2",
+        "train.micro_batch_size=2",
+        "train.max_steps=3",
+        "parallelism.count_comm=true",
+    )
     one, _ = run(
         tmp_path,
         "z1",

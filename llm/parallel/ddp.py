@@ -1,13 +1,13 @@
 """Data parallel with torch's DistributedDataParallel: a full replica per rank, gradients
 all-reduced in buckets during backward (averaged over ranks), skipped inside accumulation.
-With parallelism.count_comm a comm hook counts each bucket before DDP's own all-reduce;
-without it DDP runs its built-in reduction untouched."""
+Its comm hook reduces each bucket in the policy's ``reduce_dtype``, divided by the dp size
+before the all-reduce (fp16 headroom), as every strategy does, and with
+parallelism.count_comm counts each bucket's payload."""
 
 from collections import Counter
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from llm.models import WeightSource, materialize_from
@@ -35,17 +35,24 @@ class DDPStrategy(SingleStrategy):
             # Gradients live inside the buckets: no second copy of every gradient.
             gradient_as_bucket_view=True,
         )
-        if self.cfg.count_comm:
-            ddp.register_comm_hook(self.dims.dp_group(), self._counting_allreduce)
+        ddp.register_comm_hook(self.dims.dp_group(), self._reduce_bucket)
         self.model = ddp
         return ddp
 
     # No `from __future__ import annotations` here: DDP checks this annotation at runtime.
-    def _counting_allreduce(self, group: dist.ProcessGroup, bucket: dist.GradBucket):
-        # The payload each rank hands to the all-reduce (ring traffic is 2(N-1)/N of it).
+    def _reduce_bucket(self, group: dist.ProcessGroup, bucket: dist.GradBucket):
         buffer = bucket.buffer()
-        self._sent["all_reduce"] += buffer.numel() * buffer.element_size()
-        return default_hooks.allreduce_hook(group, bucket)
+        # A copy in the reduce dtype only when it differs from the gradients' (DDP's own
+        # hooks divide in place too: the bucket is overwritten by the result anyway).
+        payload = buffer.to(self.precision.reduce_dtype)
+        payload.div_(dist.get_world_size(group))
+        if self.cfg.count_comm:
+            # The payload each rank hands to the all-reduce (ring traffic is 2(N-1)/N of it).
+            self._sent["all_reduce"] += payload.numel() * payload.element_size()
+        fut = dist.all_reduce(payload, group=group, async_op=True).get_future()
+        if payload is buffer:
+            return fut.then(lambda done: done.value()[0])
+        return fut.then(lambda done: buffer.copy_(done.value()[0]))
 
     def micro_batch(self, sync: bool):
         return super().micro_batch(sync) if sync else self.model.no_sync()

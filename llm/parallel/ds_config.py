@@ -18,7 +18,7 @@ import torch
 
 from llm.config import Config
 from llm.errors import ConfigError
-from llm.precision import LossScalerSettings, PrecisionPolicy
+from llm.precision import REDUCE_DTYPES, LossScalerSettings, PrecisionPolicy
 
 # Keys whose explicit value must equal ours (dotted paths into the ds_config), with the name of
 # our setting for the error message.
@@ -34,6 +34,7 @@ MUST_MATCH = {
     "fp16.enabled": "precision",
     "bf16.enabled": "precision",
     "zero_optimization.stage": "parallelism.zero_stage",
+    "communication_data_type": "precision.reduce_dtype",
 }
 # Top-level keys a user's file gets from us when it leaves them out.
 REQUIRED = (
@@ -43,6 +44,7 @@ REQUIRED = (
     "gradient_clipping",
     "fp16",
     "bf16",
+    "communication_data_type",
 )
 # DeepSpeed reports to us: it must not print its own progress lines between ours.
 QUIET = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
@@ -125,6 +127,9 @@ def generate(cfg: Config, dp_size: int, precision: PrecisionPolicy, on_gpu: bool
         "fp16": fp16_section(cfg) if precision.name == "fp16" else {"enabled": False},
         "bf16": {"enabled": precision.name == "bf16"},
         "zero_optimization": zero_section(cfg, precision, on_gpu, d_model),
+        # Gradients reduced in our reduce dtype (DeepSpeed's default is the gradients' own:
+        # bf16 under bf16); ZeRO divides them by the dp size before the reduction.
+        "communication_data_type": _dtype_name(precision.reduce_dtype),
         # Our registry's other optimizers (sgd, ...) are handed over as client optimizers.
         "zero_allow_untested_optimizer": True,
         **QUIET,
@@ -137,6 +142,10 @@ def generate(cfg: Config, dp_size: int, precision: PrecisionPolicy, on_gpu: bool
         params["torch_adam"] = not cfg.parallelism.offload_optimizer
         ds["optimizer"] = {"type": "AdamW", "params": params}
     return ds
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in REDUCE_DTYPES.items() if d == dtype)
 
 
 def load_user_config(path: str) -> dict:
@@ -211,6 +220,8 @@ def _differs(theirs, mine) -> bool:
             return [float(x) for x in theirs] != [float(x) for x in mine]
         if isinstance(mine, bool):
             return not isinstance(theirs, bool) or theirs != mine
+        if isinstance(mine, str):
+            return theirs != mine
         return float(theirs) != float(mine)
     except (TypeError, ValueError):
         return True

@@ -8,6 +8,7 @@ from llm.precision.loss_scale import (
     disabled_loss_scaler,
 )
 from llm.precision.policy import (
+    REDUCE_DTYPES,
     PrecisionPolicy,
     apply_fp8,
     apply_precision,
@@ -17,6 +18,7 @@ from llm.precision.policy import (
 )
 
 __all__ = [
+    "REDUCE_DTYPES",
     "LossScaler",
     "LossScalerSettings",
     "PrecisionPolicy",

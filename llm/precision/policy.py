@@ -10,6 +10,7 @@ layout the ZeRO paper's 2+2+12 bytes per parameter assumes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -24,7 +25,9 @@ class PrecisionPolicy:
     name: str
     param_dtype: torch.dtype  # what the optimizer updates (master weights)
     compute_dtype: torch.dtype  # what matmuls run in (autocast)
-    reduce_dtype: torch.dtype  # what gradients are all-reduced in
+    # What gradients are reduced in across data-parallel ranks (every strategy divides them
+    # by the dp size before the reduction); precision.reduce_dtype overrides the default.
+    reduce_dtype: torch.dtype
     allow_tf32: bool = False
     master_dtype: torch.dtype = torch.float32  # the weights the optimizer updates
     loss_scaling: bool = False  # fp16: gradients underflow without a loss scale
@@ -63,10 +66,29 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def resolve_precision(
-    name: str, device: torch.device, update_rounding: str = "stochastic"
+    name: str,
+    device: torch.device,
+    update_rounding: str = "stochastic",
+    reduce_dtype: str | None = None,
 ) -> PrecisionPolicy:
-    """Turn a precision name into a policy for this device; impossible pairs are refused."""
+    """Turn a precision name into a policy for this device; impossible pairs are refused.
+    ``reduce_dtype`` (fp32 | bf16 | fp16) replaces the policy's own; None keeps it."""
+    policy = _named_policy(name, device, update_rounding)
+    if reduce_dtype is None:
+        return policy
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ConfigError(
+            f"precision.reduce_dtype={reduce_dtype!r} is unknown; choose one of "
+            f"{', '.join(REDUCE_DTYPES)} (or leave it unset for the policy's own)"
+        )
+    return dataclasses.replace(policy, reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+
+
+def _named_policy(name: str, device: torch.device, update_rounding: str) -> PrecisionPolicy:
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     if name == "auto":
         name = "bf16" if bf16_supported(device) else "fp32"

@@ -1,12 +1,21 @@
 """The tensors one bucket owns on one rank, per ZeRO stage.
 
-| tensor       | stage 1, 2                    | stage 3                          |
-|--------------|-------------------------------|----------------------------------|
-| full         | working params, persistent    | gathered per unit, then freed    |
-| shard        | view of full[r*S:(r+1)*S]     | persistent, S elements           |
-| grad_full    | persistent (stage 1) / per backward (stage 2) | per backward     |
-| grad_shard   | view of grad_full (stage 1) / persistent S (stage 2) | persistent S |
-| master       | fp32 S copy under mixed precision or offload, else a view of shard |
+| tensor     | stage 1                    | stage 2                  | stage 3                  |
+|------------|----------------------------|--------------------------|--------------------------|
+| full       | working params, persistent | working params, persist. | gathered per unit, freed |
+| shard      | view of full[r*S:(r+1)*S]  | view of full[r*S:...]    | persistent, S elements   |
+| grad_full  | persistent, working dtype  | reduce dtype, from the bucket's first gradient until |
+|            |                            | its reduce-scatter completes (reducer.py)           |
+| grad_shard | S elements in the master dtype (fp32; bf16 under bf16_pure), persistent         |
+| master     | an fp32 copy of the shard under mixed precision or offload, else the shard      |
+
+Stage 1's grad_full is in the working dtype (bf16 under mixed precision) because autograd
+accumulates each micro-batch's gradient into ``param.grad`` in place, and ``.grad`` must have
+the parameter's dtype; an fp32 full buffer would cost 4Φ where the paper counts 2Φ. Its
+reduce-scatter converts a bucket to the reduce dtype only while that bucket is in flight.
+
+A frozen bucket (``bucket.trainable`` False) has params only: no gradients, no pieces for the
+optimizer, and its shard (working dtype) is the only copy, since it never changes.
 
 Initial values come from a WeightSource: the rank's slice (``master``, and ``shard`` under
 stage 3) is read piece by piece, the whole working buffer only under stages 1-2.
@@ -20,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from llm.models import WeightSource, adopt, flat_range
-from llm.parallel.zero.layout import Bucket, Piece
+from llm.parallel.zero.layout import Bucket, Piece, Slot
 
 
 class BucketBuffers:
@@ -33,15 +42,21 @@ class BucketBuffers:
         master_dtype: torch.dtype,
         master_device: torch.device,
         device: torch.device,
+        reduce_dtype: torch.dtype,
         weights: WeightSource,
     ) -> None:
         self.bucket = bucket
         self.stage = stage
+        self.reduce_dtype = reduce_dtype
         lo, hi = bucket.shard_range(rank)
-        self.pieces: list[Piece] = bucket.pieces(rank)
-        separate = master_dtype != working_dtype or master_device != device
-        # fp32 values of this rank's slice, for the stage-3 shard and a separate master.
-        values = self._slice_values(weights, lo, hi, device) if stage == 3 or separate else None
+        separate = bucket.trainable and (master_dtype != working_dtype or master_device != device)
+        # fp32 values of this rank's slice, for the stage-3 shard and a separate master (which
+        # starts from the source's values, not from rounded working weights).
+        values = (
+            self._slice_values(weights, bucket.pieces(rank), lo, hi, device)
+            if stage == 3 or separate
+            else None
+        )
         self.full = torch.zeros(bucket.padded, dtype=working_dtype, device=device)
         for slot in bucket.slots:
             view = self.full[slot.offset : slot.offset + slot.numel]
@@ -49,39 +64,61 @@ class BucketBuffers:
                 view.copy_(weights.whole(slot.name, device).flatten())
             adopt(slot.param, view.view(slot.param.shape))
         self.shard = self.full[lo:hi] if stage < 3 else values.to(working_dtype)
-        if stage == 1:
-            # Gradients accumulate straight into the bucket (autograd adds into .grad in
-            # place), so accumulation needs no communication until the last micro-batch.
-            self.grad_full: torch.Tensor | None = torch.zeros_like(self.full)
-            for slot in bucket.slots:
-                view = self.grad_full[slot.offset : slot.offset + slot.numel]
-                slot.param.grad = view.view(slot.param.shape)
-            self.grad_shard = self.grad_full[lo:hi]
-        else:
-            self.grad_full = None
-            self.grad_shard = torch.zeros_like(self.shard)
-        # The master starts from the source's fp32 values, not from rounded working weights.
-        self.master = values.to(master_device, master_dtype) if separate else self.shard
-        if separate and master_device.type == "cpu" and device.type == "cuda":
-            self.master = self.master.pin_memory()
-        # The tensors the optimizer steps: leaf views of the master shard, one per piece.
-        self.piece_tensors = [
-            self.master[p.start - lo : p.stop - lo].requires_grad_() for p in self.pieces
-        ]
-        self.ready = 0  # parameters whose gradient arrived in this backward
-        self.launched = False
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.host_grad: torch.Tensor | None = None  # the master's gradient when offloaded
+        self.master = self.shard
+        self.pieces: list[Piece] = []
+        self.piece_tensors: list[torch.Tensor] = []
+        if bucket.trainable:
+            self._init_training(rank, master_dtype, master_device, values)
+        self.arrived = 0  # parameters whose gradient arrived in this backward
         if stage == 3:
             self.free()
 
-    def _slice_values(self, weights: WeightSource, lo: int, hi: int, device) -> torch.Tensor:
+    @staticmethod
+    def _slice_values(
+        weights: WeightSource, pieces: list[Piece], lo: int, hi: int, device
+    ) -> torch.Tensor:
         """This rank's slice [lo, hi) of the bucket in fp32, read piece by piece: under
         stage 3 nothing larger than the slice is ever filled in full precision."""
         values = torch.zeros(hi - lo, dtype=torch.float32, device=device)  # padding: zeros
-        for p in self.pieces:
+        for p in pieces:
             values[p.start - lo : p.stop - lo] = flat_range(
                 weights, p.slot.name, *p.param_range, device
             )
         return values
+
+    def _init_training(
+        self, rank: int, master_dtype: torch.dtype, master_device, values: torch.Tensor | None
+    ) -> None:
+        device, lo = self.full.device, self.bucket.shard_range(rank)[0]
+        if self.stage == 1:
+            # Gradients accumulate straight into the bucket (autograd adds into .grad in
+            # place), so accumulation needs no communication until the last micro-batch.
+            self.grad_full = torch.zeros_like(self.full)
+            for slot in self.bucket.slots:
+                view = self.grad_full[slot.offset : slot.offset + slot.numel]
+                slot.param.grad = view.view(slot.param.shape)
+        self.grad_shard = torch.zeros(self.bucket.shard, dtype=master_dtype, device=device)
+        # Host copies are pinned when the device is a GPU, so copies to and from it run
+        # asynchronously (non_blocking) instead of through a staging buffer.
+        host = {"dtype": master_dtype, "device": master_device}
+        host["pin_memory"] = master_device.type == "cpu" and device.type == "cuda"
+        if master_dtype != self.full.dtype or master_device != device:
+            self.master = torch.empty(self.shard.shape, **host).copy_(values)
+        if master_device != device:
+            self.host_grad = torch.empty(self.shard.shape, **host)
+        self.pieces = self.bucket.pieces(rank)
+        # The tensors the optimizer steps: leaf views of the master shard, one per piece.
+        self.piece_tensors = [
+            self.master[p.start - lo : p.stop - lo].requires_grad_() for p in self.pieces
+        ]
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter's gradient arrived in this backward."""
+        return self.arrived == len(self.bucket.slots)
 
     # ---- stage-3 parameter storage ----------------------------------------------------
     @property
@@ -95,22 +132,44 @@ class BucketBuffers:
         self.full.untyped_storage().resize_(0)
 
     # ---- gradients --------------------------------------------------------------------
-    def take_grad(self, slot) -> None:
-        """Stage 2/3: move a parameter's fresh gradient into the bucket and drop it."""
+    def take_grad(self, slot: Slot, world: int) -> None:
+        """Stage 2/3: move a parameter's fresh gradient into the bucket, in the reduce dtype
+        and divided by the data-parallel size before the reduction (fp16 headroom)."""
         if self.grad_full is None:
             # Zeros: padding, and parameters unused in this backward, reduce to zero.
-            self.grad_full = torch.zeros_like(self.full)
-        self.grad_full[slot.offset : slot.offset + slot.numel].copy_(slot.param.grad.flatten())
+            self.grad_full = torch.zeros(
+                self.bucket.padded, dtype=self.reduce_dtype, device=self.full.device
+            )
+        view = self.grad_full[slot.offset : slot.offset + slot.numel]
+        view.copy_(slot.param.grad.flatten())
+        view.div_(world)
         slot.param.grad = None
 
-    def take_remaining_grads(self) -> None:
-        """Before reducing a bucket some of whose parameters got no gradient."""
-        for slot in self.bucket.slots:
-            if slot.param.grad is not None:
-                self.take_grad(slot)
-        if self.grad_full is None:
-            self.grad_full = torch.zeros_like(self.full)
+    def reduce_input(self, world: int) -> torch.Tensor:
+        """The full-size tensor to reduce-scatter: the bucket's gradients in the reduce
+        dtype, already divided by ``world``."""
+        if self.stage >= 2:
+            if self.grad_full is None:  # no parameter of the bucket got a gradient
+                self.grad_full = torch.zeros(
+                    self.bucket.padded, dtype=self.reduce_dtype, device=self.full.device
+                )
+            return self.grad_full
+        # Stage 1: a reduce-dtype copy while in flight (none when the dtypes agree; the
+        # accumulated buffer is zeroed after the step anyway).
+        payload = self.grad_full.to(self.reduce_dtype)
+        return payload.div_(world)
+
+    def reduced(self, out: torch.Tensor) -> None:
+        """The reduce-scatter into ``out`` completed: add this rank's slice to the shard
+        (accumulating over micro-batches) and free the full-size bucket (stages 2-3)."""
+        self.grad_shard.add_(out)
+        if self.stage >= 2:
+            self.grad_full = None
 
     def master_grad(self) -> torch.Tensor:
-        """The shard's gradient as the optimizer needs it (fp32, on the master's device)."""
-        return self.grad_shard.to(self.master.device, self.master.dtype)
+        """The shard's gradient where the optimizer steps: the shard itself, or when the
+        optimizer is offloaded a copy in (pinned) host memory, issued non-blocking; the
+        caller waits for it before the host reads it."""
+        if self.host_grad is None:
+            return self.grad_shard
+        return self.host_grad.copy_(self.grad_shard, non_blocking=True)

@@ -4,7 +4,14 @@ started early (prefetch) so it overlaps the current block's compute.
 
 Units are the transformer blocks plus the root (embeddings, final norm, head). The root is
 used at both ends of the forward, so it stays gathered from the first forward until the
-end of backward (as FSDP2 keeps its root unsharded).
+end of backward (as FSDP2 keeps its root unsharded). With prefetch a rank holds at most two
+blocks gathered at once (the one computing and the next), plus the root; without, one.
+
+A block's backward is over when the gradient with respect to its input is complete (blocks
+map (B, T, d) to (B, T, d) in sequence, so that input is the previous block's output): a
+hook there frees the block and gathers the previous one. The last block is gathered for
+backward by a hook on its output. Frozen parameters are gathered like the others (forward
+and the backward through them need them); a unit may be entirely frozen.
 """
 
 from __future__ import annotations
@@ -40,12 +47,12 @@ class UnitGatherer:
         model.register_forward_pre_hook(self._before_model)
         model.register_forward_hook(self._after_model)
         for i, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(lambda m, a, i=i: self._before_block(i))
+            block.register_forward_pre_hook(lambda m, a, i=i: self._before_block(i, a))
             block.register_forward_hook(lambda m, a, out, i=i: self._after_block(i, out))
 
     # ---- gather / free ----------------------------------------------------------------
     def gather(self, unit: int, wait: bool = True) -> None:
-        if unit not in self.pending and not self.units[unit][0].gathered:
+        if unit not in self.pending and not all(buf.gathered for buf in self.units[unit]):
             works = []
             for buf in self.units[unit]:
                 buf.refill()
@@ -76,15 +83,19 @@ class UnitGatherer:
         if not torch.is_grad_enabled():  # evaluation: no backward will free it
             self.free(self.root)
 
-    def _before_block(self, i: int) -> None:
+    def _before_block(self, i: int, args) -> None:
         self.gather(i)
         if self.prefetch and i + 1 < len(self.blocks):
             self.gather(i + 1, wait=False)
+        x = args[0] if args else None
+        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(lambda grad, i=i: self._after_block_backward(i))
 
     def _after_block(self, i: int, out) -> None:
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            # The gradient w.r.t. the block's output arrives just before the block's own
-            # backward (and before a recompute wrapper re-runs its forward).
+        last = i == len(self.blocks) - 1
+        if last and torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            # The gradient w.r.t. the output arrives just before the block's own backward
+            # (and before a recompute wrapper re-runs its forward).
             out.register_hook(lambda grad, i=i: self._before_block_backward(i))
         self.free(i)
 
@@ -93,7 +104,9 @@ class UnitGatherer:
         if self.prefetch and i > 0:
             self.gather(i - 1, wait=False)
 
-    def unit_done(self, unit: int) -> None:
-        """Every gradient of a block arrived: its parameters are no longer needed."""
-        if unit != self.root:
-            self.free(unit)
+    def _after_block_backward(self, i: int) -> None:
+        # Free first: the previous block's gather and the prefetch before it then add to
+        # one gathered block, not two.
+        self.free(i)
+        if i > 0:
+            self._before_block_backward(i - 1)

@@ -3,7 +3,8 @@ data-parallel ranks.
 
 Parameters are packed in model order into buckets of about ``bucket_numel`` elements (a
 parameter never straddles two buckets; under stage 3 a bucket never straddles two gather
-units, so one transformer block is gathered as a whole). Each bucket is padded to a
+units, so one transformer block is gathered as a whole; frozen and trainable parameters never
+share a bucket, so a frozen bucket holds no gradient, master copy or optimizer state). Each bucket is padded to a
 multiple of the world size N and rank r owns elements [r*S, (r+1)*S) of it, S = padded/N.
 One reduce-scatter per bucket then leaves every rank exactly its own slice of the summed
 gradient, and one all-gather per bucket rebuilds the parameters (Megatron's distributed
@@ -49,6 +50,7 @@ class Piece:
 class Bucket:
     index: int
     unit: int  # the gather unit (stage 3): a transformer block, or the root
+    trainable: bool = True  # False: every parameter in it is frozen (requires_grad=False)
     slots: list[Slot] = field(default_factory=list)
     numel: int = 0  # before padding
     padded: int = 0
@@ -76,16 +78,17 @@ def build_buckets(
     named_params: list[tuple[str, nn.Parameter, int]], bucket_numel: int, world: int
 ) -> list[Bucket]:
     """Pack ``(name, param, unit)`` in order into buckets; a new bucket starts when the
-    current one would pass ``bucket_numel`` or the unit changes."""
+    current one would pass ``bucket_numel``, the unit changes or ``requires_grad`` does."""
     buckets: list[Bucket] = []
     for name, param, unit in named_params:
         current = buckets[-1] if buckets else None
         if (
             current is None
             or current.unit != unit
+            or current.trainable != param.requires_grad
             or (current.numel and current.numel + param.numel() > bucket_numel)
         ):
-            current = Bucket(index=len(buckets), unit=unit)
+            current = Bucket(index=len(buckets), unit=unit, trainable=param.requires_grad)
             buckets.append(current)
         current.slots.append(Slot(clean_name(name), param, current.numel, param.numel()))
         current.numel += param.numel()

@@ -1,16 +1,25 @@
 """Our ZeRO (Rajbhandari et al., 2019) on torch.distributed collectives.
 
 - stage 1: the optimizer states and fp32 master weights are partitioned; gradients
-  accumulate locally in a full buffer and are reduce-scattered once, on the last
-  micro-batch; each rank steps its slice, then the parameters are all-gathered.
+  accumulate locally in a full buffer (working dtype: see buffers.py) and are
+  reduce-scattered once, on the last micro-batch; each rank steps its slice, then the
+  parameters are all-gathered.
 - stage 2: gradients are reduce-scattered bucket by bucket during every backward, as soon
-  as a bucket's gradients exist (overlapping the rest of backward), and only the rank's
-  gradient slice is kept.
+  as a bucket's gradients exist (overlapping the rest of backward); a bucket's full-size
+  buffer is freed once its reduce-scatter completes, with at most
+  ``parallelism.buckets_in_flight`` in flight, so only the rank's gradient shard stays.
 - stage 3: parameters are partitioned too and gathered per transformer block (gather.py).
 
+Gradients are reduced in the policy's ``reduce_dtype`` (fp32 under fp16/bf16), divided by
+the data-parallel size before the reduction, and accumulated over micro-batches in the
+master dtype (fp32) in the shard; buckets are reduce-scattered in a fixed order whatever
+parameters went unused (reducer.py). Frozen parameters (requires_grad False) sit in buckets
+of their own: no gradient, no master copy, no optimizer state; stage 3 still shards them.
+
 Under fp16/bf16 the working parameters and gradients are 16-bit and the fp32 master copy
-lives only in the partitioned optimizer: 2Φ + 2Φ + 12Φ/N bytes per rank at stage 1, as the
-paper counts. Layout: layout.py; per-bucket tensors: buffers.py; checkpoints: state.py.
+lives only in the partitioned optimizer: 2Φ + 2Φ + 12Φ/N bytes per rank at stage 1 as the
+paper counts, plus the fp32 gradient shard (4Φ/N) and the buckets in flight. Layout:
+layout.py; per-bucket tensors: buffers.py; checkpoints: state.py.
 """
 
 from __future__ import annotations
@@ -22,55 +31,105 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llm.config import OptimizerConfig
-from llm.errors import ConfigError
-from llm.memory import optimizer_state_tensors
+from llm.config import OptimizerConfig, ParallelismConfig
+from llm.memory import optimizer_state_tensors, state_bytes
 from llm.models import ModuleSource, WeightSource, materialize_from
 from llm.optim import optimizer_for_groups, param_groups, wrap_optimizer
-from llm.parallel.single import SingleStrategy
+from llm.parallel.mesh import ParallelDims
+from llm.parallel.step import StepResult, overflow_checked_step
 from llm.parallel.strategy import register_strategy
 from llm.parallel.zero import state
 from llm.parallel.zero.buffers import BucketBuffers
-from llm.parallel.zero.collectives import all_gather, reduce_scatter
+from llm.parallel.zero.collectives import all_gather
 from llm.parallel.zero.gather import UnitGatherer
 from llm.parallel.zero.layout import build_buckets
+from llm.parallel.zero.reducer import GradientReducer
+from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 
-class ZeroStrategy(SingleStrategy):
+class ZeroStrategy:
+    """The strategy protocol (llm/parallel/strategy.py) for one ZeRO stage; its step is
+    llm.parallel.step's overflow-checked step over this rank's gradient shards."""
+
+    name = "zero"
     stage = 0
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        cfg: ParallelismConfig,
+        dims: ParallelDims,
+        precision: PrecisionPolicy,
+        device: torch.device,
+        loss_scaler: LossScaler | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dims = dims
+        self.precision = precision
+        self.device = device
+        self.scaler = loss_scaler or disabled_loss_scaler()
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self.group = self.dims.dp_group()
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         self.buffers: list[BucketBuffers] = []
         self.gatherer: UnitGatherer | None = None
+        self.reducer: GradientReducer | None = None
         self._sync = True
-        self._pending: list = []  # (buffers, output shard, work) of in-flight reduce-scatters
         self.piece_params: list = []  # (Piece, the tensor the optimizer steps), in order
         self._sent: Counter[str] = Counter()
 
     # ---- set-up -----------------------------------------------------------------------
     def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
-        policy = self.precision
-        source = ModuleSource(model) if weights is None else weights
+        """``weights`` None: the model is materialised and its values are taken over; else
+        the model is on the meta device and each bucket reads only what this rank holds."""
         blocks = list(getattr(model, "layers", []))
+        root = len(blocks) if self.stage == 3 else 0
+        source = ModuleSource(model) if weights is None else weights
+        self.buffers = self._build_buffers(model, blocks, root, source)
+        if weights is not None:  # anything no bucket holds (none in our models) comes whole
+            materialize_from(model, weights, self.device)
+        self._buffers_of = {slot.param: buf for buf in self.buffers for slot in buf.bucket.slots}
+        self._slot_of = {slot.param: slot for buf in self.buffers for slot in buf.bucket.slots}
+        trainable = [buf for buf in self.buffers if buf.bucket.trainable]
+        for buf in trainable:
+            for slot in buf.bucket.slots:
+                slot.param.register_post_accumulate_grad_hook(self._on_grad)
+        # The order gradients arrive in: blocks from last to first, then the root (stage 3);
+        # stages 1-2 bucket in model order, so last bucket first.
+        order = sorted(trainable, key=lambda b: (b.bucket.unit == root, -b.bucket.index))
+        self.reducer = GradientReducer(
+            order,
+            self.stage,
+            self._grad_group(),
+            self.world,
+            self.cfg.buckets_in_flight,
+            self._count,
+        )
+        if self.stage == 3:
+            units = [[b for b in self.buffers if b.bucket.unit == u] for u in range(root + 1)]
+            self.gatherer = UnitGatherer(units, blocks, self.group, self.cfg.prefetch, self._count)
+            self.gatherer.install(model)
+        self.model = model
+        return model
+
+    def _build_buffers(
+        self, model: nn.Module, blocks: list, root: int, source: WeightSource
+    ) -> list[BucketBuffers]:
         unit_of = {}
         if self.stage == 3:
             for i, block in enumerate(blocks):
                 for p in block.parameters():
                     unit_of[p] = i
-        root = len(blocks) if self.stage == 3 else 0
-        named = [
-            (n, p, unit_of.get(p, root)) for n, p in model.named_parameters() if p.requires_grad
-        ]
+        # Frozen parameters are bucketed too (apart from trainable ones): stage 3 shards them,
+        # and every stage keeps them in the working dtype.
+        named = [(n, p, unit_of.get(p, root)) for n, p in model.named_parameters()]
         if self.stage == 3:
             named.sort(key=lambda item: item[2])  # blocks in order, then the root
-        itemsize = torch.empty((), dtype=policy.working_dtype).element_size()
-        bucket_numel = max(1, int(self.cfg.bucket_cap_mb * 2**20 / itemsize))
+        policy = self.precision
+        bucket_numel = max(1, int(self.cfg.bucket_cap_mb * 2**20 / policy.working_dtype.itemsize))
         master_device = torch.device("cpu") if self.cfg.offload_optimizer else self.device
-        self.buffers = [
+        return [
             BucketBuffers(
                 bucket,
                 self.rank,
@@ -79,22 +138,20 @@ class ZeroStrategy(SingleStrategy):
                 policy.master_dtype,
                 master_device,
                 self.device,
+                policy.reduce_dtype,
                 source,
             )
             for bucket in build_buckets(named, bucket_numel, self.world)
         ]
-        if weights is not None:  # what no bucket holds (parameters not trained): whole
-            materialize_from(model, weights, self.device)
-        self._buffers_of = {slot.param: buf for buf in self.buffers for slot in buf.bucket.slots}
-        self._slot_of = {slot.param: slot for buf in self.buffers for slot in buf.bucket.slots}
-        for p in self._slot_of:
-            p.register_post_accumulate_grad_hook(self._on_grad)
-        if self.stage == 3:
-            units = [[b for b in self.buffers if b.bucket.unit == u] for u in range(root + 1)]
-            self.gatherer = UnitGatherer(units, blocks, self.group, self.cfg.prefetch, self._count)
-            self.gatherer.install(model)
-        self.model = model
-        return model
+
+    def _grad_group(self) -> dist.ProcessGroup | None:
+        """Stage 3 issues parameter all-gathers during backward too. Collectives on one group
+        must be issued in the same order on every rank, and a rank whose bucket waits for an
+        unused parameter launches its reduce-scatter later than the others: the gradient
+        collectives get a group of their own (the same ranks), so each group's order is fixed."""
+        if self.stage < 3 or not dist.is_initialized():
+            return self.group
+        return dist.new_group(dist.get_process_group_ranks(self.group or dist.group.WORLD))
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         # The factory's groups (weight decay or not, per parameter) carried over to pieces.
@@ -106,11 +163,9 @@ class ZeroStrategy(SingleStrategy):
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 groups[group_of[piece.slot.param]]["params"].append(tensor)
                 self.piece_params.append((piece, tensor))
-        if any(not g["params"] for g in groups):
-            raise ConfigError(
-                f"parallelism=zero{self.stage}: a rank owns no slice of some parameter group "
-                f"at world size {self.world}; lower the world size or use parallelism=ddp"
-            )
+        # A rank's slice may miss a group (one bucket's slice holding only matrices, say):
+        # torch optimizers step empty groups as no-ops, and every rank keeps every group so
+        # that param_groups line up across ranks in checkpoints.
         self.optimizer = wrap_optimizer(
             optimizer_for_groups(groups, cfg), self.precision.update_rounding
         )
@@ -126,106 +181,95 @@ class ZeroStrategy(SingleStrategy):
         self._sync = sync or self.stage >= 2
         try:
             yield
+        except BaseException:
+            self.reducer.reset()  # the run is failing: no further collectives
+            raise
+        else:
+            if self._sync:
+                self.reducer.finish()
         finally:
-            self._finish_backward()
+            if self.gatherer is not None:
+                self.gatherer.free_all()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale_loss(loss).backward()
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if not self._sync:
-            return
-        buf = self._buffers_of[param]
-        if self.stage >= 2:
-            buf.take_grad(self._slot_of[param])
-        buf.ready += 1
-        if buf.ready == len(buf.bucket.slots):
-            self._reduce_scatter(buf)
-
-    def _reduce_scatter(self, buf: BucketBuffers) -> None:
-        out = torch.empty_like(buf.grad_shard)
-        work = reduce_scatter(out, buf.grad_full, group=self.group, async_op=True)
-        self._count("reduce_scatter", buf.grad_full)
-        self._pending.append((buf, out, work))
-        buf.launched = True
-        if self.gatherer is not None:
-            unit = buf.bucket.unit
-            if all(b.launched for b in self.gatherer.units[unit]):
-                self.gatherer.unit_done(unit)
-
-    def _finish_backward(self) -> None:
-        if self._sync and any(b.ready for b in self.buffers):
-            for buf in self.buffers:  # buckets with unused parameters: reduce what exists
-                if not buf.launched:
-                    if self.stage >= 2:
-                        buf.take_remaining_grads()
-                    self._reduce_scatter(buf)
-        for buf, out, work in self._pending:
-            work.wait()
-            out.div_(self.world)  # a sum over ranks; gradients are averaged (as DDP)
-            if self.stage == 1:
-                buf.grad_shard.copy_(out)
-            else:
-                buf.grad_shard.add_(out)
-                buf.grad_full = None
-        self._pending = []
-        for buf in self.buffers:
-            buf.ready, buf.launched = 0, False
-        if self.gatherer is not None:
-            self.gatherer.free_all()
+        if self._sync:
+            self.reducer.on_grad(self._buffers_of[param], self._slot_of[param])
 
     # ---- step -------------------------------------------------------------------------
     @property
-    def grad_replicas(self) -> int:
-        return 1  # every gradient element lives on exactly one rank
+    def _trainable(self) -> list[BucketBuffers]:
+        return [buf for buf in self.buffers if buf.bucket.trainable]
 
-    def local_grads(self) -> list[torch.Tensor]:
-        # fp32 master gradients: norms of 16-bit scaled gradients would overflow.
-        grads = [buf.master_grad() for buf in self.buffers]
-        for buf, grad in zip(self.buffers, grads, strict=True):
-            lo = buf.bucket.shard_range(self.rank)[0]
-            for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
-                tensor.grad = grad[piece.start - lo : piece.stop - lo]
-        return grads
+    def clip_and_step(self, max_norm: float) -> StepResult:
+        # Norm, overflow check and clipping on the gradient shards where they were reduced
+        # (the device: an offloaded optimizer gets its host copy after clipping).
+        return overflow_checked_step(
+            [buf.grad_shard for buf in self._trainable],
+            max_norm,
+            self.scaler,
+            self._optimizer_step,
+            self._nonfinite_grad_names,
+            self.device,
+            grad_replicas=1,  # every gradient element lives on exactly one rank
+            group=self.group,
+        )
 
-    def nonfinite_grad_names(self) -> list[str]:
+    def _nonfinite_grad_names(self) -> list[str]:
         names = []
-        for buf in self.buffers:
+        for buf in self._trainable:
             lo = buf.bucket.shard_range(self.rank)[0]
             for piece in buf.pieces:
                 if not torch.isfinite(buf.grad_shard[piece.start - lo : piece.stop - lo]).all():
                     names.append(piece.slot.name)
         return names
 
-    def optimizer_step(self) -> None:
+    def _optimizer_step(self) -> None:
+        grads = [buf.master_grad() for buf in self._trainable]
+        if self.cfg.offload_optimizer and self.device.type == "cuda":
+            # The host reads the gradients the device copied out asynchronously.
+            torch.cuda.current_stream(self.device).synchronize()
+        for buf, grad in zip(self._trainable, grads, strict=True):
+            lo = buf.bucket.shard_range(self.rank)[0]
+            for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
+                tensor.grad = grad[piece.start - lo : piece.stop - lo]
         self.optimizer.step()
-        for buf in self.buffers:
+        for buf in self._trainable:  # frozen buckets never change: nothing to gather
             if buf.master is not buf.shard:
-                buf.shard.copy_(buf.master)
+                buf.shard.copy_(buf.master, non_blocking=True)
             if self.stage < 3:  # stage 3 gathers lazily, block by block, in the next forward
                 all_gather(buf.full, buf.shard, group=self.group)
                 self._count("all_gather", buf.full)
 
     def zero_grad(self) -> None:
-        for buf in self.buffers:
-            # Stage 1's full buffer holds the shard too; stages 2-3 keep only the shard.
-            (buf.grad_full if self.stage == 1 else buf.grad_shard).zero_()
+        for buf in self._trainable:
+            buf.grad_shard.zero_()
+            if self.stage == 1:  # the full buffer autograd accumulates into
+                buf.grad_full.zero_()
         for _, tensor in self.piece_params:
             tensor.grad = None
 
     def whole_param_norms(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """For per-piece tensors (in optimizer order), the L2 norm over the whole parameter
         each piece belongs to, summed across ranks in one all-reduce."""
-        slots = [buf_slot for buf in self.buffers for buf_slot in buf.bucket.slots]
+        slots = [slot for buf in self._trainable for slot in buf.bucket.slots]
         index = {id(s): i for i, s in enumerate(slots)}
-        sq = torch.zeros(len(slots), dtype=torch.float32, device=tensors[0].device)
+        # On the communication device (NCCL takes no CPU tensor), also on a rank that owns
+        # no piece: every rank must join the all-reduce.
+        sq = torch.zeros(len(slots), dtype=torch.float32, device=self.device)
         owners = [index[id(piece.slot)] for piece, _ in self.piece_params]
         for owner, t in zip(owners, tensors, strict=True):
-            sq[owner] += t.float().pow(2).sum()
+            sq[owner] += t.float().pow(2).sum().to(self.device)
         dist.all_reduce(sq, group=self.group)
         norms = sq.sqrt()
-        return [norms[owner] for owner in owners]
+        return [norms[owner].to(t.device) for owner, t in zip(owners, tensors, strict=True)]
 
     # ---- accounting and checkpoints ---------------------------------------------------
     def _count(self, kind: str, payload: torch.Tensor) -> None:
-        self._sent[kind] += payload.numel() * payload.element_size()
+        if self.cfg.count_comm:  # opt-in: off while timing
+            self._sent[kind] += payload.numel() * payload.element_size()
 
     def comm(self) -> dict[str, int]:
         sent, self._sent = dict(self._sent), Counter()
@@ -233,14 +277,22 @@ class ZeroStrategy(SingleStrategy):
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Working params (stage 3: the full buffers hold only the blocks gathered now, their
-        storages resized to 0 otherwise) and the shard; gradient shards and full gradient
-        buffers while they exist; fp32 masters (when not the shard itself) and moments."""
+        storages resized to 0 otherwise) and the shards; gradient shards, full gradient
+        buckets and the reduce-scatters in flight while they exist; fp32 masters (when not
+        the shard itself) and moments."""
+        in_flight = []
+        if self.reducer is not None:
+            in_flight = [t for _, payload, out, _ in self.reducer.pending for t in (payload, out)]
+        grads = [t for b in self.buffers for t in (b.grad_full, b.grad_shard, b.host_grad)]
         return {
             "params": [b.full for b in self.buffers] + [b.shard for b in self.buffers],
-            "grads": [b.grad_shard for b in self.buffers] + [b.grad_full for b in self.buffers],
+            "grads": [t for t in grads if t is not None] + in_flight,
             "optimizer_states": [b.master for b in self.buffers if b.master is not b.shard]
             + optimizer_state_tensors(self.optimizer),
         }
+
+    def memory(self) -> dict[str, int]:
+        return state_bytes(self.state_tensors())
 
     def state_dict(self) -> dict:
         return state.checkpoint_state(self)
