@@ -105,7 +105,7 @@ def _padding_slack(nproc: int, bytes_per_element: int) -> int:
 @pytest.mark.parametrize(
     "stage,formula",
     [
-        # REFERENCE.md (ZeRO paper, mixed-precision Adam, K = 12): bytes per rank.
+        # docs/references.md (ZeRO paper, mixed-precision Adam, K = 12): bytes per rank.
         (1, lambda phi, n: (2 * phi, 2 * phi, 12 * phi / n)),
         (2, lambda phi, n: (2 * phi, 2 * phi / n, 12 * phi / n)),
         (3, lambda phi, n: (2 * phi / n, 2 * phi / n, 12 * phi / n)),
