@@ -182,7 +182,14 @@ def test_optimizer_offload_matches(tmp_path, text_corpus, cache_dir, reference):
 
 
 @pytest.mark.parametrize(
-    "first,second", [("zero2:2", "zero3:4"), ("zero3:4", "zero1:2"), ("zero1:2", "single:1")]
+    "first,second",
+    [
+        ("zero2:2", "zero3:4"),
+        ("zero3:4", "zero1:2"),
+        ("zero1:2", "single:1"),
+        pytest.param("ddp:2", "zero2:2", marks=pytest.mark.slow),
+        pytest.param("zero3:2", "fsdp:2", marks=pytest.mark.slow),
+    ],
 )
 def test_resume_on_another_world_size(tmp_path, text_corpus, cache_dir, first, second):
     steps = ("train.max_steps=8",)  # global batch 4 at every world size
