@@ -82,6 +82,9 @@ def checkpoint_state(strategy) -> dict:
     optimizer, group = strategy.optimizer, strategy.group
     model_sd, optim_state = {}, {}
     for buf in strategy.buffers:
+        if not buf.bucket.trainable:
+            model_sd.update(_frozen_state(strategy, buf))
+            continue
         owned = {p.slot.name: (p, t) for p, t in zip(buf.pieces, buf.piece_tensors, strict=True)}
         for slot in buf.bucket.slots:
             piece, tensor = owned.get(slot.name, (None, None))
@@ -107,6 +110,20 @@ def checkpoint_state(strategy) -> dict:
         "optimizer": {"state": optim_state, "param_groups": groups},
         "loss_scaler": strategy.scaler.state_dict(),
     }
+
+
+def _frozen_state(strategy, buf) -> dict:
+    """A frozen bucket's parameters: this rank's slice of the working shard (their only
+    copy; no optimizer state), so other strategies and world sizes load them too."""
+    lo = buf.bucket.shard_range(strategy.rank)[0]
+    owned = {p.slot.name: p for p in buf.bucket.pieces(strategy.rank)}
+    out = {}
+    for slot in buf.bucket.slots:
+        piece = owned.get(slot.name)
+        local = buf.shard[piece.start - lo : piece.stop - lo] if piece else None
+        start = piece.param_range[0] if piece else 0
+        out[slot.name] = sharded(slot.param.shape, start, local, buf.shard, strategy.group)
+    return out
 
 
 def _empty(dtype: torch.dtype, master: torch.Tensor) -> torch.Tensor:
