@@ -265,3 +265,12 @@ def test_whole_parameter_norms_across_shards():
 def test_zero3_with_compile_is_refused(tmp_path, text_corpus, cache_dir):
     with pytest.raises(ConfigError, match=r"zero3 with train\.compile=true"):
         run(tmp_path, "c", text_corpus, cache_dir, "parallelism=zero3", "train.compile=true")
+
+
+def test_frozen_parameters_reach_the_checkpoint(tmp_path, text_corpus, cache_dir):
+    """model.freeze under zero3: frozen weights are saved (each rank its slice, no optimizer
+    state) and every weight equals the single-process run's."""
+    freeze = ("model.freeze=[tok_embeddings.*,layers.0.*]", "train.max_steps=4")
+    _, ref = run(tmp_path, "single", text_corpus, cache_dir, "train.micro_batch_size=8", *freeze)
+    _, got = run_zero(tmp_path, text_corpus, cache_dir, 3, 2, *freeze)
+    assert_close_weights(final_weights(ref), final_weights(got), rtol=1e-4, atol=1e-5)
