@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 SEED = 7
 
 
-def _tiny_hf_checkpoint(path, family: str, tie: bool) -> None:
+def _tiny_hf_checkpoint(path, family: str, tie: bool, shard_size: str = "5GB") -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -40,13 +40,13 @@ def _tiny_hf_checkpoint(path, family: str, tie: bool) -> None:
             vocab_size=67, n_positions=32, n_embd=32, n_layer=2, n_head=4,
             tie_word_embeddings=tie,
         )  # fmt: skip
-        GPT2LMHeadModel(cfg).save_pretrained(path)
+        GPT2LMHeadModel(cfg).save_pretrained(path, max_shard_size=shard_size)
     else:
         cfg = LlamaConfig(
             vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
         )  # fmt: skip
-        LlamaForCausalLM(cfg).save_pretrained(path)
+        LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size=shard_size)
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
@@ -58,6 +58,9 @@ def test_init_source_gives_each_parameter_alone_in_any_order(name):
         n = whole[key].shape[0]
         torch.testing.assert_close(source.rows(key, n // 3, n - 1, CPU), whole[key][n // 3 : -1])
         torch.testing.assert_close(flat_range(source, key, 5, 9, CPU), whole[key].flatten()[5:9])
+    # Wrapper infixes (recompute's checkpoint wrapper) name the same parameter.
+    wrapped = "layers.1._checkpoint_wrapped_module.attention.wq.weight"
+    torch.testing.assert_close(source.whole(wrapped, CPU), whole["layers.1.attention.wq.weight"])
     other = dict(materialize(build_model(args), CPU, SEED + 1).named_parameters())
     assert not torch.equal(
         whole["layers.1.attention.wq.weight"], other["layers.1.attention.wq.weight"]
@@ -68,10 +71,12 @@ def test_init_source_gives_each_parameter_alone_in_any_order(name):
     )
 
 
+@pytest.mark.parametrize("shard_size", ["5GB", "20KB"], ids=["one_file", "sharded"])
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_hf_source_rows_are_slices_of_the_checkpoint(tmp_path, family, tie):
-    _tiny_hf_checkpoint(tmp_path, family, tie)
+def test_hf_source_rows_are_slices_of_the_checkpoint(tmp_path, family, tie, shard_size):
+    _tiny_hf_checkpoint(tmp_path, family, tie, shard_size)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (shard_size == "20KB")
     source = HFSource(tmp_path)
     model = from_hf(tmp_path)
     assert (model.output.weight is model.tok_embeddings.weight) == tie
@@ -80,6 +85,22 @@ def test_hf_source_rows_are_slices_of_the_checkpoint(tmp_path, family, tie):
         rows = source.rows(key, 1, n - 1, CPU)
         assert rows.is_contiguous()
         torch.testing.assert_close(rows, param.detach()[1:-1], rtol=0, atol=0)
+
+
+def test_hf_source_reads_hub_gpt2_names_without_the_transformer_prefix(tmp_path):
+    """openai-community/gpt2's files name tensors "h.0.attn.c_attn.weight", not
+    "transformer.h.0..."; save_pretrained writes the prefix."""
+    from safetensors.torch import load_file, save_file
+
+    _tiny_hf_checkpoint(tmp_path / "new", "gpt2", tie=True)
+    state = load_file(tmp_path / "new" / "model.safetensors")
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "config.json").write_text((tmp_path / "new" / "config.json").read_text())
+    hub = {k.removeprefix("transformer."): v for k, v in state.items()}
+    save_file(hub, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    new, old = HFSource(tmp_path / "new"), HFSource(tmp_path / "hub")
+    for key, _ in build_model(new.args).named_parameters():
+        assert torch.equal(old.whole(key, CPU), new.whole(key, CPU)), key
 
 
 # (strategy, precision, weights) cases run in one pair of ranks: each strategy's initial
@@ -91,6 +112,8 @@ CASES = [
     ("zero3", "bf16", "init"),
     ("fsdp", "fp32", "init"),
     ("ddp", "fp32", "init"),
+    ("zero3", "fp32", "llama"),
+    ("fsdp", "fp32", "llama"),
     ("zero3", "fp32", "hf"),
     ("fsdp", "fp32", "hf"),
 ]
@@ -134,13 +157,17 @@ def _parity_rank(rank: int, world: int, port: int, hf_dir: str, results) -> None
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        init_args = model_args("gpt2-tiny", vocab_size=67)
         hf = HFSource(hf_dir)
+        sources = {"hf": (hf, hf.args)}
+        for kind, shape in (("init", "gpt2-tiny"), ("llama", "llama-tiny")):
+            args = model_args(shape, vocab_size=67)
+            sources[kind] = (InitSource(args, SEED), args)
         reference = {
-            "init": dict(materialize(build_model(init_args), CPU, SEED).state_dict()),
-            "hf": dict(from_hf(hf_dir).state_dict()),
+            kind: dict(materialize(build_model(args), CPU, SEED).state_dict())
+            for kind, (_, args) in sources.items()
+            if kind != "hf"
         }
-        sources = {"init": (InitSource(init_args, SEED), init_args), "hf": (hf, hf.args)}
+        reference["hf"] = dict(from_hf(hf_dir).state_dict())
         for name, precision, kind in CASES:
             weights, args = sources[kind]
             got = _strategy_weights(name, precision, weights, args, rank, world)
