@@ -135,7 +135,10 @@ def paper_comm_phi(job: Job) -> int:
 
 
 # ---- running one row ------------------------------------------------------------------
-def overrides(a: argparse.Namespace, job: Job, run_dir: Path) -> list[str]:
+def overrides(a: argparse.Namespace, job: Job, run_dir: Path, measure: bool) -> list[str]:
+    """The row's train.py overrides. ``measure`` False: the timing pass (no collective
+    counting, no peak tracking: both cost step time); True: the measuring pass (counting on,
+    the peak tracker on every step, --measure-steps steps)."""
     parallel = (
         STRATEGIES[job.strategy][0] if job.strategy in STRATEGIES else ("parallelism=single",)
     )
@@ -151,9 +154,11 @@ def overrides(a: argparse.Namespace, job: Job, run_dir: Path) -> list[str]:
         f"train.device={a.device}",
         f"train.micro_batch_size={a.global_batch // job.ranks}",
         "train.grad_accum_steps=1",
-        f"train.max_steps={a.steps}",
+        f"train.max_steps={a.measure_steps if measure else a.steps}",
         "train.log_every=1",  # every step's step_time_s reaches metrics.jsonl
         f"train.eval_every={a.steps}",  # only the (small) final evaluation
+        f"parallelism.count_comm={str(measure).lower()}",
+        f"train.memory_tracking={'every_step' if measure else 'off'}",
         "scheduler.warmup_steps=1",
         "logger=none",
         "logger.progress=false",
@@ -192,9 +197,25 @@ def threads_per_rank(a: argparse.Namespace, ranks: int) -> int:
 
 
 def run_job(a: argparse.Namespace, job: Job, root: Path) -> dict:
+    """The timing pass, then the measuring pass (bytes and peaks) of one row."""
+    timed = _run_pass(a, job, root, measure=False)
+    if not timed["ok"]:
+        return timed
+    measured = _run_pass(a, job, root, measure=True)
+    if not measured["ok"]:
+        return {**timed, "ok": False, "error": f"measuring pass: {measured['error']}"}
+    return {**measured, **{k: v for k, v in timed.items() if k in TIMED}}
+
+
+# What the timing pass contributes to a row; everything else comes from the measuring pass.
+TIMED = ("step_times_s", "median_ms", "min_ms", "tokens_per_s", "wall_s", "others_cpu")
+
+
+def _run_pass(a: argparse.Namespace, job: Job, root: Path, measure: bool) -> dict:
     root.mkdir(parents=True, exist_ok=True)
+    kind = "measure" if measure else "time"
     run_dir = Path(
-        tempfile.mkdtemp(prefix=f"{job.strategy}-{job.ranks}-{job.precision}-", dir=root)
+        tempfile.mkdtemp(prefix=f"{job.strategy}-{job.ranks}-{job.precision}-{kind}-", dir=root)
     )
     row = {"strategy": job.strategy, "ranks": job.ranks, "precision": job.precision}
     row.update(ok=False, error=None, run_dir=str(run_dir))
@@ -203,7 +224,7 @@ def run_job(a: argparse.Namespace, job: Job, root: Path) -> dict:
         return row
     threads = threads_per_rank(a, job.ranks)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, str(REPO / "train.py"), *overrides(a, job, run_dir)]
+    cmd = [sys.executable, str(REPO / "train.py"), *overrides(a, job, run_dir, measure)]
     row["load_at_start"] = os.getloadavg()[0]
     busy, ours = _busy_cpu_s(), _children_cpu_s()
     start = time.perf_counter()
@@ -230,28 +251,34 @@ def run_job(a: argparse.Namespace, job: Job, root: Path) -> dict:
     if rc != 0:
         row["error"] = one_line_error((run_dir / "bench.log").read_text(errors="replace"))
         return row
-    return {**row, **read_run(a, job, run_dir)}
+    return {**row, **read_run(a, job, run_dir, measure)}
 
 
-def read_run(a: argparse.Namespace, job: Job, run_dir: Path) -> dict:
+def read_run(a: argparse.Namespace, job: Job, run_dir: Path, measure: bool) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [m["step_time_s"] for m in metrics if "step_time_s" in m and m["step"] > a.warmup]
-    median = statistics.median(times)
+    if not measure:
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split()]
+        times = [m["step_time_s"] for m in metrics if "step_time_s" in m and m["step"] > a.warmup]
+        median = statistics.median(times)
+        return {
+            "ok": True,
+            "step_times_s": times,
+            "median_ms": median * 1e3,
+            "min_ms": min(times) * 1e3,
+            "tokens_per_s": a.global_batch * a.seq_len / median,
+        }
     phi = summary["n_params"]
     policy = resolve_precision(job.precision, torch.device(a.device))
     sent = summary["comm_bytes_per_step"][0]
     return {
         "ok": True,
-        "step_times_s": times,
-        "median_ms": median * 1e3,
-        "min_ms": min(times) * 1e3,
-        "tokens_per_s": a.global_batch * a.seq_len / median,
         "n_params": phi,
         "model_state_bytes": summary["model_state_bytes"][0],
         "model_state_bytes_per_rank": summary["model_state_bytes"],
         "formula_bytes": formula(job.strategy, policy, job.ranks, phi),
         "peak_memory_bytes": summary["peak_memory_bytes"],
+        # Rank 0's highest step peak by category, from the one tracker every strategy shares.
+        "memory_peak": summary["memory_peak"][0],
         "comm_bytes_per_step": sent,
         "comm_phi": comm_phi(job.strategy, sent, policy, phi),
         "paper_comm_phi": paper_comm_phi(job),
@@ -273,6 +300,7 @@ COLUMNS = (
     "total MB",
     "ZeRO formula (bytes/param)",
     "peak MiB",
+    "peak by kind MB (P/G/O/A/other, phase)",
     "comm / step (payload MB)",
     "comm Φ",
     "paper Φ",
@@ -291,6 +319,11 @@ LEGEND = (
 
 def _mb(measured: float, expected: float) -> str:
     return f"{measured / MB:.2f} [{expected / MB:.2f}]"
+
+
+def _peak_cells(peak: dict) -> str:
+    kinds = ("params", "grads", "optimizer_states", "activations", "other")
+    return "/".join(f"{peak[k] / MB:.2f}" for k in kinds) + f" ({peak['phase']})"
 
 
 def strategy_cells(r: dict, ddp: dict | None) -> list[str]:
@@ -315,6 +348,7 @@ def strategy_cells(r: dict, ddp: dict | None) -> list[str]:
         _mb(total, f["total"]),
         f"{f['expr']} = {f['phi_per_rank']:.1f}Φ",
         f"{r['peak_memory_bytes'] / 2**20:,.0f}",
+        _peak_cells(r["memory_peak"]),
         comm or "-",
         f"{r['comm_phi']:.2f}Φ",
         f"{r['paper_comm_phi']}Φ",
@@ -409,7 +443,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="byte", help="data.tokenizer (byte: vocab 256)")
     p.add_argument("--seq-len", type=int, default=None, help="CPU default 256, GPU 1024")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (CPU 8)")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per row")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per timing pass")
+    p.add_argument(
+        "--measure-steps",
+        type=int,
+        default=3,
+        help="steps of each row's measuring pass (collectives counted, peaks tracked)",
+    )
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
     p.add_argument("--precision", default=None, help="strategy rows (CPU fp32, GPU bf16)")
     p.add_argument("--val-samples", type=int, default=8, help="the final evaluation's samples")
