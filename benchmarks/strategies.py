@@ -257,7 +257,8 @@ def _run_pass(a: argparse.Namespace, job: Job, root: Path, measure: bool) -> dic
 def read_run(a: argparse.Namespace, job: Job, run_dir: Path, measure: bool) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     if not measure:
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split()]
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line) for line in lines]
         times = [m["step_time_s"] for m in metrics if "step_time_s" in m and m["step"] > a.warmup]
         median = statistics.median(times)
         return {
