@@ -39,7 +39,8 @@ def bf16_reference(tmp_path_factory, text_corpus, cache_dir):
         ("parallelism=zero1",),
         ("parallelism=zero2",),
         ("parallelism=zero3",),
-        ("parallelism=ddp",),
+        # ddp's replicas are checked for every precision in test_replica_precision.py.
+        pytest.param(("parallelism=ddp",), marks=pytest.mark.slow),
         ("parallelism=fsdp",),
         # DeepSpeed takes minutes per run on 2 CPU cores.
         pytest.param(("parallelism=deepspeed", "parallelism.zero_stage=1"), marks=pytest.mark.slow),

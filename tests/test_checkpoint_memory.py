@@ -66,7 +66,8 @@ def _assert_no_gather(saved, resumed, ckpt, bucket_mb: float, working_bytes: int
             assert other < gather, (phase, rank, other, gather)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+# Stage 2 in make test-slow: stage 3 covers the same save/load path with sharded params.
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_zero_saves_and_loads_within_one_bucket(tmp_path, text_corpus, cache_dir, stage):
     bucket_mb = 0.05
     saved, resumed, ckpt = _save_then_resume(
