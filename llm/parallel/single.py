@@ -11,37 +11,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from llm.config import OptimizerConfig, ParallelismConfig
+from llm.config import OptimizerConfig
 from llm.memory import module_state_tensors, state_bytes
 from llm.models import WeightSource, materialize_from
 from llm.optim import build_optimizer, wrap_optimizer
-from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult, overflow_checked_step
-from llm.parallel.strategy import register_strategy
-from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
+from llm.parallel.strategy import StrategyBase, register_strategy
 
 
 @register_strategy("single")
-class SingleStrategy:
+class SingleStrategy(StrategyBase):
     """Holds a full replica; subclasses change how gradients are synchronised."""
 
     name = "single"
-
-    def __init__(
-        self,
-        cfg: ParallelismConfig,
-        dims: ParallelDims,
-        precision: PrecisionPolicy,
-        device: torch.device,
-        loss_scaler: LossScaler | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.dims = dims
-        self.precision = precision
-        self.device = device
-        self.scaler = loss_scaler or disabled_loss_scaler()
-        self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
 
     # ---- hooks subclasses override ----------------------------------------------------
     @property

@@ -32,7 +32,7 @@ from llm.errors import ConfigError
 from llm.models import WeightSource
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult
-from llm.precision import LossScaler, PrecisionPolicy
+from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 
 class Strategy(Protocol):
@@ -60,6 +60,27 @@ class Strategy(Protocol):
     def memory(self) -> dict[str, int]: ...
 
     def comm(self) -> dict[str, int]: ...
+
+
+class StrategyBase:
+    """What every strategy is built with (``build_strategy``'s arguments) and holds once it
+    has wrapped a model and built its optimizer."""
+
+    def __init__(
+        self,
+        cfg: ParallelismConfig,
+        dims: ParallelDims,
+        precision: PrecisionPolicy,
+        device: torch.device,
+        loss_scaler: LossScaler | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dims = dims
+        self.precision = precision
+        self.device = device
+        self.scaler = loss_scaler or disabled_loss_scaler()
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
 
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {}

@@ -31,44 +31,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llm.config import OptimizerConfig, ParallelismConfig
+from llm.config import OptimizerConfig
 from llm.memory import optimizer_state_tensors, state_bytes
 from llm.models import ModuleSource, WeightSource, materialize_from
 from llm.optim import optimizer_for_groups, param_groups, wrap_optimizer
-from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult, overflow_checked_step
-from llm.parallel.strategy import register_strategy
+from llm.parallel.strategy import StrategyBase, register_strategy
 from llm.parallel.zero import state
 from llm.parallel.zero.buffers import BucketBuffers
 from llm.parallel.zero.collectives import all_gather
 from llm.parallel.zero.gather import UnitGatherer
 from llm.parallel.zero.layout import build_buckets
 from llm.parallel.zero.reducer import GradientReducer
-from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 
-class ZeroStrategy:
+class ZeroStrategy(StrategyBase):
     """The strategy protocol (llm/parallel/strategy.py) for one ZeRO stage; its step is
     llm.parallel.step's overflow-checked step over this rank's gradient shards."""
 
     name = "zero"
     stage = 0
 
-    def __init__(
-        self,
-        cfg: ParallelismConfig,
-        dims: ParallelDims,
-        precision: PrecisionPolicy,
-        device: torch.device,
-        loss_scaler: LossScaler | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.dims = dims
-        self.precision = precision
-        self.device = device
-        self.scaler = loss_scaler or disabled_loss_scaler()
-        self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.group = self.dims.dp_group()
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
