@@ -12,8 +12,10 @@ and OMP_NUM_THREADS is set per rank count (cores // ranks: oversubscribed pools 
 Per row: the median of rank 0's `step_time_s` after --warmup steps; the CPU that other
 processes used meanwhile (a shared machine: such rows are run again, --retakes); rank 0's
 model-state bytes (params / grads / optimizer states as the strategy's memory() counts its
-tensor storages) with the ZeRO paper's formula for that stage and precision in brackets;
-the peak memory (max over ranks: CPU peak RSS, GPU CUDA allocator peak); and the payload of
+tensor storages after a step: the steady state) with the ZeRO paper's formula for that stage
+and precision in brackets; the peak of a step (the peak tracker's high-water mark of live
+tensor bytes, llm/memory/peak.py: rank 0's total, and by category with the phase it fell
+in), the same tracker for every strategy, DeepSpeed included; and the payload of
 the collectives per step (all-reduce buffer, reduce-scatter input, all-gather output), also
 in the paper's units (elements per rank / Φ, an all-reduce counting twice: RS + AG).
 With --device cuda, one-rank rows compare fp32, tf32, bf16, fp16 and fp8 too; a precision
@@ -22,6 +24,7 @@ the GPU refuses shows as n/a with the reason.
     python benchmarks/strategies.py                                 # CPU: 2 and 4 ranks, all
     python benchmarks/strategies.py --ranks 2 --strategies ddp,zero3,fsdp --steps 20
     python benchmarks/strategies.py --device cuda --ranks 1         # one GPU: + precisions
+    python benchmarks/strategies.py --ranks 4 --set model.n_layers=8  # any train.py override
 """
 
 from __future__ import annotations
@@ -109,21 +112,17 @@ def formula(strategy: str, p: PrecisionPolicy, n: int, phi: int) -> dict:
     }
 
 
-def _comm_itemsize(strategy: str, kind: str, p: PrecisionPolicy) -> int:
-    """Bytes per element of a collective: DDP all-reduces param_dtype gradients; FSDP2
-    gathers working_dtype parameters and reduces in reduce_dtype; our ZeRO and DeepSpeed move
-    working_dtype parameters and gradients."""
-    if strategy == "ddp":
-        return p.param_dtype.itemsize
-    if strategy == "fsdp":
-        return (p.working_dtype if kind == "all_gather" else p.reduce_dtype).itemsize
-    return p.working_dtype.itemsize
+def _comm_itemsize(kind: str, p: PrecisionPolicy) -> int:
+    """Bytes per element of a collective: parameters are gathered in working_dtype, and
+    every strategy reduces gradients in reduce_dtype (DDP's comm hook, our ZeRO, FSDP2's
+    MixedPrecisionPolicy, DeepSpeed's communication_data_type)."""
+    return (p.working_dtype if kind in ("all_gather", "broadcast") else p.reduce_dtype).itemsize
 
 
-def comm_phi(strategy: str, sent: dict[str, float], p: PrecisionPolicy, phi: int) -> float:
+def comm_phi(sent: dict[str, float], p: PrecisionPolicy, phi: int) -> float:
     elements = 0.0
     for kind, payload in sent.items():
-        count = payload / _comm_itemsize(strategy, kind, p)
+        count = payload / _comm_itemsize(kind, p)
         elements += 2 * count if kind == "all_reduce" else count
     return elements / phi
 
@@ -164,6 +163,7 @@ def overrides(a: argparse.Namespace, job: Job, run_dir: Path, measure: bool) -> 
         "logger.progress=false",
         "checkpoint.enabled=false",
         f"hydra.run.dir={run_dir}",  # output_dir follows; nothing lands in outputs/
+        *a.set,
     ]
 
 
@@ -281,7 +281,7 @@ def read_run(a: argparse.Namespace, job: Job, run_dir: Path, measure: bool) -> d
         # Rank 0's highest step peak by category, from the one tracker every strategy shares.
         "memory_peak": summary["memory_peak"][0],
         "comm_bytes_per_step": sent,
-        "comm_phi": comm_phi(job.strategy, sent, policy, phi),
+        "comm_phi": comm_phi(sent, policy, phi),
         "paper_comm_phi": paper_comm_phi(job),
         "final_train_loss": summary["final_train_loss"],
         "hardware": summary.get("hardware"),
@@ -300,8 +300,8 @@ COLUMNS = (
     "optim MB",
     "total MB",
     "ZeRO formula (bytes/param)",
-    "peak MiB",
-    "peak by kind MB (P/G/O/A/other, phase)",
+    "step peak MB (max rank)",
+    "rank 0 peak MB (P/G/O/A/other, phase)",
     "comm / step (payload MB)",
     "comm Φ",
     "paper Φ",
@@ -313,7 +313,9 @@ LEGEND = (
     "MB columns: measured on rank 0 [the ZeRO paper's formula, Φ = n_params]; vs ddp: step "
     "time / ddp's at the same rank count; others' CPU: cores that other processes used "
     "during the row (re-take rows where it is not ~0); comm: payload per step per rank "
-    "(AR all-reduce, RS reduce-scatter, AG all-gather); comm Φ: elements moved per rank / Φ "
+    "(AR all-reduce, RS reduce-scatter, AG all-gather); step peak: the peak tracker's "
+    "high-water mark of live tensor bytes in a training step (P params, G grads, O optimizer "
+    "states, A activations, other: buckets, temporaries); comm Φ: elements moved per rank / Φ "
     "(an all-reduce counts twice); loss: final training loss (same data, same work)."
 )
 
@@ -348,7 +350,7 @@ def strategy_cells(r: dict, ddp: dict | None) -> list[str]:
         _mb(ms["optimizer_states"], f["optimizer_states"]),
         _mb(total, f["total"]),
         f"{f['expr']} = {f['phi_per_rank']:.1f}Φ",
-        f"{r['peak_memory_bytes'] / 2**20:,.0f}",
+        f"{r['peak_memory_bytes'] / MB:.2f}",
         _peak_cells(r["memory_peak"]),
         comm or "-",
         f"{r['comm_phi']:.2f}Φ",
@@ -471,6 +473,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--markdown", default=None, help="also write the tables as markdown here")
     p.add_argument("--keep-runs", default=None, help="keep run directories here (default: temp)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a train.py override for every row, after the benchmark's own (repeatable)",
+    )
     a = p.parse_args(argv)
     a.device = bench_device(a.device)
     gpu = a.device == "cuda"

@@ -192,7 +192,11 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
     model_digest = shape_digest(args)
     checkpointer = (
         Checkpointer(
-            output_dir / "checkpoints", cfg.checkpoint.keep_last, model_digest, env.world_size
+            output_dir / "checkpoints",
+            cfg.checkpoint.keep_last,
+            model_digest,
+            env.world_size,
+            file_bytes=int(cfg.checkpoint.file_mb * 2**20),
         )
         if cfg.checkpoint.enabled
         else None

@@ -36,8 +36,8 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, text_corpus, cache_dir
     assert steps_on_disk(out) == ["step_000002"]
     real_save = dcp.save
 
-    def failing_save(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)
+    def failing_save(state, **where):
+        real_save(state, **where)
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint_module.dcp, "save", failing_save)

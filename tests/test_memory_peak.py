@@ -105,6 +105,24 @@ def test_storage_resized_to_zero_and_back_is_remeasured():
         assert tracker.totals["params"] == 4 * N
 
 
+def test_a_saved_leaf_whose_storage_is_swapped_out_is_not_subtracted_twice():
+    """DeepSpeed ZeRO-3 gathers a parameter into a fresh storage for forward and releases it
+    with ``param.data = torch.empty(0)`` while autograd still holds the parameter."""
+    weight = torch.nn.Parameter(torch.zeros(1))
+    tracker = PeakTracker(CPU, "every_step")
+    with tracker.step(tracked=True):
+        weight.data = torch.randn(N) * 1.0  # gathered: an op output, so the tracker sees it
+        x = torch.randn(N, requires_grad=True)
+        loss = (weight * x).sum()  # saves the leaf weight (an activation now) and x
+        assert tracker.totals["activations"] >= 4 * N
+        weight.data = torch.empty(0)  # released: the gathered storage dies here
+        tracker.phase("backward")
+        weight.data = torch.randn(N) * 1.0  # gathered again for backward
+        loss.backward()
+    assert all(v >= 0 for v in tracker.totals.values()), tracker.totals
+    assert tracker.last_step["activations"] >= 0
+
+
 def test_peak_falls_in_the_phase_that_allocated_most():
     tracker = PeakTracker(CPU, "every_step")
     with tracker.step(tracked=True):

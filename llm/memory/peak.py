@@ -17,10 +17,9 @@ and records the breakdown whenever it sets a new high. Categories:
 - other: everything else registered: communication buckets, temporaries, gathered
   parameters the strategy does not list as state, gradients of activations.
 
-Sizes are re-read, never trusted from registration: ZeRO-3 and FSDP2 free and refill
-storages in place with ``untyped_storage().resize_()``, which no dispatch mode sees, so
-``resize_`` is wrapped while a window is open and every live storage is re-measured when a
-window opens. On CUDA a size is rounded up to the caching allocator's 512-byte blocks.
+The bookkeeping of live storages (sizes re-read after in-place resizes, CUDA block
+rounding, saved-tensor hooks) is ``llm.memory.live.LiveStorages``; this module opens and
+closes the windows and phases and keeps the peaks.
 
 Not seen: storages that no op wrote or autograd saved while a window was open (model buffers
 only read, an input batch copied before the step), memory outside tensors (cuBLAS
@@ -31,78 +30,19 @@ carries the dispatch mode into them, so they are seen.
 
 from __future__ import annotations
 
-import weakref
+import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from functools import partial
 
 import torch
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass,
-    is_traceable_wrapper_subclass_type,
-)
 
+from llm.memory.live import CATEGORIES, STATE, LiveStorages, OpOutputs
 from llm.memory.process import cuda_peak_bytes
 
-STATE = ("params", "grads", "optimizer_states")
-CATEGORIES = (*STATE, "activations", "other")
 MODES = ("logged", "every_step", "off")
-CUDA_BLOCK = 512  # the caching allocator's rounding (c10/cuda/CUDACachingAllocator.cpp)
+__all__ = ["CATEGORIES", "MODES", "PeakTracker"]
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 StateFn = Callable[[], dict[str, list[torch.Tensor]]]
-
-
-class _Entry:
-    """One live storage: its bytes now, its category, how many saved tensors hold it."""
-
-    __slots__ = ("category", "key", "ref", "saved", "size")
-
-
-class _Saved:
-    """What the pack hook hands autograd; its life is autograd's hold on the tensor."""
-
-    __slots__ = ("entries", "tensor", "tracker")
-
-    def __init__(self, tensor, entries, tracker) -> None:
-        self.tensor, self.entries, self.tracker = tensor, entries, tracker
-
-    def __del__(self) -> None:
-        for entry in self.entries:
-            self.tracker._release(entry)
-
-
-def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages behind ``t``: a DTensor's local shard, a float8 tensor's data and scale."""
-    if is_traceable_wrapper_subclass(t):
-        for name in t.__tensor_flatten__()[0]:
-            inner = getattr(t, name)
-            if isinstance(inner, torch.Tensor):
-                yield from _storages(inner)
-    else:
-        yield t.untyped_storage()
-
-
-class _OpOutputs(TorchDispatchMode):
-    def __init__(self, tracker: PeakTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if types and any(is_traceable_wrapper_subclass_type(t) for t in types):
-            return NotImplemented  # DTensor, float8: their inner ops on plain tensors return
-        out = func(*args, **(kwargs or {}))
-        if types and any(t not in _PLAIN for t in types):
-            return out  # fake tensors (DTensor's sharding propagation) hold no memory
-        see = self.tracker._see
-        if isinstance(out, torch.Tensor):
-            see(out)
-        elif isinstance(out, tuple | list):
-            for t in out:
-                if isinstance(t, torch.Tensor):
-                    see(t)
-        return out
 
 
 class PeakTracker:
@@ -116,18 +56,12 @@ class PeakTracker:
         self.device = torch.device(device)
         self.mode = mode
         self._state_fn: StateFn | None = None
-        self._live: dict[int, _Entry] = {}
-        self._other: dict[int, _Entry] = {}  # entries in "other": reclassified at phase end
-        self._state: dict[int, _Entry] = {}
-        self.totals = dict.fromkeys(CATEGORIES, 0)
-        self.current = 0
+        self.live = LiveStorages(self.device, on_high=self._record)
         self._phase: str | None = None
-        self._peak_total = 0
         self._peak: tuple = ()
         self._step_peak: dict | None = None
-        self._mode = _OpOutputs(self)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._resize = None
+        self._mode = OpOutputs(self.live)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.live.pack, self.live.unpack)
         self._open: ExitStack | None = None
         self.last_step: dict | None = None
         self.best_step: dict | None = None
@@ -135,6 +69,16 @@ class PeakTracker:
         self.last_cuda_peak: int | None = None
         self.cuda_step_peak: int | None = None  # the highest per-step allocator peak
         self.cuda_run_peak: int | None = None  # over steps, start-up and checkpoints
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Live bytes per category now."""
+        return self.live.totals
+
+    @property
+    def current(self) -> int:
+        """Live bytes now."""
+        return self.live.current
 
     # ---- what the caller drives --------------------------------------------------------
     def watch(self, state_fn: StateFn) -> None:
@@ -205,14 +149,14 @@ class PeakTracker:
     @contextmanager
     def _window(self, phase: str) -> Iterator[None]:
         self._step_peak = None
-        self._wrap_resize()
+        self.live.wrap_resize()
         try:
-            self._remeasure()
+            self.live.remeasure()
             self._open_phase(phase)
             with self._mode, self._hooks:
                 yield
         finally:
-            torch.UntypedStorage.resize_ = self._resize
+            self.live.unwrap_resize()
             if self._phase is not None:
                 self._close_phase()
 
@@ -225,6 +169,7 @@ class PeakTracker:
         self._refresh()
         peak = self._finish()
         self._phase = None
+        self.live.threshold = math.inf  # no new highs recorded between phases
         if self._step_peak is None or peak["total"] > self._step_peak["total"]:
             self._step_peak = peak
         best = self.by_phase.get(peak["phase"])
@@ -232,9 +177,9 @@ class PeakTracker:
             self.by_phase[peak["phase"]] = peak
 
     def _record(self) -> None:
-        self._peak_total = self.current
-        others = [(e, e.size) for e in self._other.values()]
-        self._peak = (dict(self.totals), others, self._phase)
+        self.live.threshold = self.live.current
+        others = [(e, e.size) for e in self.live.other.values()]
+        self._peak = (dict(self.live.totals), others, self._phase)
 
     def _finish(self) -> dict:
         """The phase's peak, with storages that were unclassified at the peak and have since
@@ -246,129 +191,14 @@ class PeakTracker:
                 totals[entry.category] += size
         return {**totals, "total": sum(totals.values()), "phase": phase}
 
-    # ---- storages ----------------------------------------------------------------------
-    def _bytes(self, storage: torch.UntypedStorage) -> int:
-        n = storage.nbytes()
-        if self.device.type == "cuda":
-            return -(-n // CUDA_BLOCK) * CUDA_BLOCK
-        return n
-
-    def _entry(self, storage: torch.UntypedStorage) -> _Entry | None:
-        key = storage._cdata
-        entry = self._live.get(key)
-        if entry is None:
-            if storage.device.type != self.device.type:
-                return None
-            entry = _Entry()
-            entry.key, entry.size, entry.category, entry.saved = key, 0, "other", 0
-            entry.ref = weakref.ref(storage, partial(self._free, key))
-            self._live[key] = self._other[key] = entry
-            self._grow(entry, self._bytes(storage))
-        return entry
-
-    def _see(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        entry = self._live.get(storage._cdata)
-        if entry is None:
-            self._entry(storage)
-        else:  # an in-place op may have resized it
-            self._grow(entry, self._bytes(storage))
-
-    def _grow(self, entry: _Entry, size: int) -> None:
-        delta = size - entry.size
-        if delta:
-            entry.size = size
-            self.totals[entry.category] += delta
-            self.current += delta
-            if delta > 0 and self._phase is not None and self.current > self._peak_total:
-                self._record()
-
-    def _free(self, key: int, _ref) -> None:
-        entry = self._live.pop(key, None)
-        if entry is not None:
-            self._other.pop(key, None)
-            self._state.pop(key, None)
-            self.totals[entry.category] -= entry.size
-            self.current -= entry.size
-
-    def _move(self, entry: _Entry, category: str) -> None:
-        if entry.category == category:
-            return
-        if entry.category == "other":
-            del self._other[entry.key]
-        elif category == "other":
-            self._other[entry.key] = entry
-        self.totals[entry.category] -= entry.size
-        self.totals[category] += entry.size
-        entry.category = category
-
-    def _remeasure(self) -> None:
-        """Sizes may have changed while no window was open (storages resized in place)."""
-        for entry in list(self._live.values()):
-            storage = entry.ref()
-            if storage is not None:
-                self._grow(entry, self._bytes(storage))
-
-    def _wrap_resize(self) -> None:
-        self._resize = resize = torch.UntypedStorage.resize_
-        tracker = self
-
-        def resize_(storage, size):
-            out = resize(storage, size)
-            entry = tracker._live.get(storage._cdata)
-            if entry is not None:
-                tracker._grow(entry, tracker._bytes(storage))
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
-
-    # ---- state and activations ---------------------------------------------------------
+    # ---- state ---------------------------------------------------------------------
     def _refresh(self) -> None:
         """Classify the storages the strategy names as state now."""
-        state = self._state_fn() if self._state_fn is not None else {}
-        named: dict[int, tuple[_Entry, str]] = {}
-        for category in STATE:
-            for t in state.get(category, ()):
-                if t is None:
-                    continue
-                for storage in _storages(t):
-                    entry = self._entry(storage)
-                    if entry is not None and entry.key not in named:
-                        self._grow(entry, self._bytes(storage))
-                        named[entry.key] = (entry, category)
-        for key, entry in list(self._state.items()):
-            if key not in named:
-                self._move(entry, "activations" if entry.saved else "other")
-        for entry, category in named.values():
-            self._move(entry, category)
-        self._state = {key: entry for key, (entry, _) in named.items()}
+        self.live.classify(self._state_fn() if self._state_fn is not None else {})
 
     def _queue_refresh(self, grad: torch.Tensor) -> torch.Tensor:
         torch.autograd.Variable._execution_engine.queue_callback(self._refresh)
         return grad
-
-    def _pack(self, t: torch.Tensor):
-        entries = [e for s in _storages(t) if (e := self._entry(s)) is not None]
-        # A saved op output holding itself would tie it to its own grad_fn in a cycle; a
-        # detached alias shares its storage. Leaves are kept as they are, as autograd does,
-        # so a strategy that swaps a parameter's .data (DeepSpeed ZeRO-3) still sees it.
-        held = t if t.grad_fn is None else t.detach()
-        if not entries:
-            return held
-        for entry in entries:
-            entry.saved += 1
-            if entry.category == "other":
-                self._move(entry, "activations")
-        return _Saved(held, entries, self)
-
-    @staticmethod
-    def _unpack(packed) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
-    def _release(self, entry: _Entry) -> None:
-        entry.saved -= 1
-        if entry.saved == 0 and entry.category == "activations":
-            self._move(entry, "other")
 
     # ---- the CUDA allocator's own peak -------------------------------------------------
     def _reset_cuda_peak(self) -> None:

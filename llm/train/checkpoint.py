@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from llm.dist import barrier, global_rank
 from llm.errors import CheckpointError
+from llm.train.bounded_writer import BoundedFileWriter
 
 # One process without a process group is a supported DCP mode; its warning is noise here.
 warnings.filterwarnings(
@@ -67,8 +68,16 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, keep_last: int, model_digest: str, world_size: int):
+    def __init__(
+        self,
+        directory: Path,
+        keep_last: int,
+        model_digest: str,
+        world_size: int,
+        file_bytes: int = 25 * 2**20,
+    ):
         self.directory = Path(directory)
+        self.file_bytes = file_bytes
         self.keep_last = keep_last
         self.model_digest = model_digest
         self.world_size = world_size
@@ -80,7 +89,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
             tmp.mkdir(parents=True)
         barrier()
-        dcp.save(strategy.state_dict(), checkpoint_id=str(tmp))
+        dcp.save(strategy.state_dict(), storage_writer=BoundedFileWriter(tmp, self.file_bytes))
         torch.save(rng_state(), tmp / f"rng_rank{global_rank()}.pt")
         barrier()
         if global_rank() == 0:

@@ -1,0 +1,228 @@
+"""The ledger of live storages on one device that the peak tracker reads.
+
+Every storage it has seen is an entry (weakly referenced: a storage's death subtracts its
+bytes) with a size and a category; ``totals`` holds the live bytes per category and
+``current`` their sum after every change. Three ways in: op outputs (``OpOutputs``, a
+TorchDispatchMode), tensors autograd saves for backward (``pack``/``unpack``, saved-tensor
+hooks: "activations" while autograd holds them), and the state a strategy names
+(``classify``). Sizes are re-read, never trusted from registration: ZeRO-3 and FSDP2 free
+and refill storages in place with ``untyped_storage().resize_()``, which no dispatch mode
+sees, so ``wrap_resize`` wraps it while tracking. On CUDA a size is rounded up to the caching
+allocator's 512-byte blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
+
+STATE = ("params", "grads", "optimizer_states")
+CATEGORIES = (*STATE, "activations", "other")
+CUDA_BLOCK = 512  # the caching allocator's rounding (c10/cuda/CUDACachingAllocator.cpp)
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class Entry:
+    """One live storage: its bytes now, its category, how many saved tensors hold it."""
+
+    __slots__ = ("category", "key", "ref", "saved", "size")
+
+
+class _Saved:
+    """What the pack hook hands autograd; its life is autograd's hold on the tensor."""
+
+    __slots__ = ("entries", "ledger", "tensor")
+
+    def __init__(self, tensor, entries, ledger) -> None:
+        self.tensor, self.entries, self.ledger = tensor, entries, ledger
+
+    def __del__(self) -> None:
+        for entry in self.entries:
+            self.ledger.release(entry)
+
+
+def storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages behind ``t``: a DTensor's local shard, a float8 tensor's data and scale."""
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from storages(inner)
+    else:
+        yield t.untyped_storage()
+
+
+class OpOutputs(TorchDispatchMode):
+    """Registers the storage of every op output with the ledger."""
+
+    def __init__(self, ledger: LiveStorages) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if types and any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # DTensor, float8: their inner ops on plain tensors return
+        out = func(*args, **(kwargs or {}))
+        if types and any(t not in _PLAIN for t in types):
+            return out  # fake tensors (DTensor's sharding propagation) hold no memory
+        see = self.ledger.see
+        if isinstance(out, torch.Tensor):
+            see(out)
+        elif isinstance(out, tuple | list):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    see(t)
+        return out
+
+
+class LiveStorages:
+    """Live bytes per category. ``on_high`` is called whenever ``current`` grows past
+    ``threshold`` (the tracker sets it to the running peak while a phase is open)."""
+
+    def __init__(self, device: torch.device, on_high: Callable[[], None]) -> None:
+        self.device = torch.device(device)
+        self.on_high = on_high
+        self.threshold = math.inf
+        self.live: dict[int, Entry] = {}
+        self.other: dict[int, Entry] = {}  # entries in "other": reclassified at phase end
+        self._state: dict[int, Entry] = {}
+        self.totals = dict.fromkeys(CATEGORIES, 0)
+        self.current = 0
+        self._resize = None
+
+    def nbytes(self, storage: torch.UntypedStorage) -> int:
+        n = storage.nbytes()
+        if self.device.type == "cuda":
+            return -(-n // CUDA_BLOCK) * CUDA_BLOCK
+        return n
+
+    def entry(self, storage: torch.UntypedStorage) -> Entry | None:
+        """The storage's entry, registered (as "other") on first sight; None off-device."""
+        key = storage._cdata
+        entry = self.live.get(key)
+        if entry is None:
+            if storage.device.type != self.device.type:
+                return None
+            entry = Entry()
+            entry.key, entry.size, entry.category, entry.saved = key, 0, "other", 0
+            entry.ref = weakref.ref(storage, partial(self._free, key))
+            self.live[key] = self.other[key] = entry
+            self.grow(entry, self.nbytes(storage))
+        return entry
+
+    def see(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        entry = self.live.get(storage._cdata)
+        if entry is None:
+            self.entry(storage)
+        else:  # an in-place op may have resized it
+            self.grow(entry, self.nbytes(storage))
+
+    def grow(self, entry: Entry, size: int) -> None:
+        delta = size - entry.size
+        if delta:
+            entry.size = size
+            self.totals[entry.category] += delta
+            self.current += delta
+            if delta > 0 and self.current > self.threshold:
+                self.on_high()
+
+    def _free(self, key: int, _ref) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.other.pop(key, None)
+            self._state.pop(key, None)
+            self.totals[entry.category] -= entry.size
+            self.current -= entry.size
+
+    def move(self, entry: Entry, category: str) -> None:
+        if entry.category == category:
+            return
+        if entry.category == "other":
+            del self.other[entry.key]
+        elif category == "other":
+            self.other[entry.key] = entry
+        self.totals[entry.category] -= entry.size
+        self.totals[category] += entry.size
+        entry.category = category
+
+    def remeasure(self) -> None:
+        """Sizes may have changed while nothing was tracked (storages resized in place)."""
+        for entry in list(self.live.values()):
+            storage = entry.ref()
+            if storage is not None:
+                self.grow(entry, self.nbytes(storage))
+
+    def wrap_resize(self) -> None:
+        """Re-read a storage's size whenever it is resized in place, until ``unwrap_resize``."""
+        self._resize = resize = torch.UntypedStorage.resize_
+        ledger = self
+
+        def resize_(storage, size):
+            out = resize(storage, size)
+            entry = ledger.live.get(storage._cdata)
+            if entry is not None:
+                ledger.grow(entry, ledger.nbytes(storage))
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+
+    def unwrap_resize(self) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+
+    # ---- state and activations ---------------------------------------------------------
+    def classify(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Put the storages ``state`` names under their category; storages it named last
+        time and no longer does go back to activations (if saved) or other."""
+        named: dict[int, tuple[Entry, str]] = {}
+        for category in STATE:
+            for t in state.get(category, ()):
+                if t is None:
+                    continue
+                for storage in storages(t):
+                    entry = self.entry(storage)
+                    if entry is not None and entry.key not in named:
+                        self.grow(entry, self.nbytes(storage))
+                        named[entry.key] = (entry, category)
+        for key, entry in list(self._state.items()):
+            if key not in named:
+                self.move(entry, "activations" if entry.saved else "other")
+        for entry, category in named.values():
+            self.move(entry, category)
+        self._state = {key: entry for key, (entry, _) in named.items()}
+
+    def pack(self, t: torch.Tensor):
+        entries = [e for s in storages(t) if (e := self.entry(s)) is not None]
+        # A saved op output holding itself would tie it to its own grad_fn in a cycle; a
+        # detached alias shares its storage. Leaves are kept as they are, as autograd does,
+        # so a strategy that swaps a parameter's .data (DeepSpeed ZeRO-3) still sees it.
+        held = t if t.grad_fn is None else t.detach()
+        if not entries:
+            return held
+        for entry in entries:
+            entry.saved += 1
+            if entry.category == "other":
+                self.move(entry, "activations")
+        return _Saved(held, entries, self)
+
+    @staticmethod
+    def unpack(packed) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def release(self, entry: Entry) -> None:
+        entry.saved -= 1
+        # A saved leaf whose .data was swapped (DeepSpeed ZeRO-3 releasing a gathered
+        # parameter) may have lost its storage already: its bytes left with it.
+        alive = self.live.get(entry.key) is entry
+        if entry.saved == 0 and entry.category == "activations" and alive:
+            self.move(entry, "other")
