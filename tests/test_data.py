@@ -349,7 +349,7 @@ def test_loaders_from_prepared_data_and_too_small_corpus(tmp_path):
     cfg = cfg_for(write_docs(tmp_path / "docs", n=20), tmp_path, seq_len=2048, packing=False)
     prepared = prepare_data(cfg)
     train = build_train_loader(prepared, cfg, micro_batch_size=4, dp_rank=0, dp_size=1, seed=0)
-    x, y = next(train)
+    x, y, _ = next(train)
     assert x.shape == y.shape == (4, 2048)
     # Documents are shorter than seq_len: each sample has its own number of targets.
     n_targets = (y != IGNORE).sum(dim=1)

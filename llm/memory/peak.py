@@ -14,6 +14,9 @@ and records the breakdown whenever it sets a new high. Categories:
 - activations: storages autograd saved for backward and still holds (saved-tensor hooks).
   Inside a non-reentrant checkpointed block torch's own hooks take over, so only what the
   checkpoint keeps (the block inputs) counts.
+- activations_attention: the part of activations saved inside a ``saved_as("attention")``
+  block (the attention kernels: llm.attention labels each call), a storage counted there
+  if attention saved it at all; not a category of its own, so not added into the total.
 - other: everything else registered: communication buckets, temporaries, gathered
   parameters the strategy does not list as state, gradients of activations.
 
@@ -43,10 +46,12 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass_type,
 )
 
+from llm.memory.activations import current_label
 from llm.memory.process import cuda_peak_bytes
 
 STATE = ("params", "grads", "optimizer_states")
 CATEGORIES = (*STATE, "activations", "other")
+LABELLED = "activations_attention"  # the peak's key for the part attention saved
 MODES = ("logged", "every_step", "off")
 CUDA_BLOCK = 512  # the caching allocator's rounding (c10/cuda/CUDACachingAllocator.cpp)
 
@@ -55,9 +60,10 @@ StateFn = Callable[[], dict[str, list[torch.Tensor]]]
 
 
 class _Entry:
-    """One live storage: its bytes now, its category, how many saved tensors hold it."""
+    """One live storage: its bytes now, its category, how many saved tensors hold it, and
+    whether attention saved it."""
 
-    __slots__ = ("category", "key", "ref", "saved", "size")
+    __slots__ = ("attention", "category", "key", "ref", "saved", "size")
 
 
 class _Saved:
@@ -120,6 +126,7 @@ class PeakTracker:
         self._other: dict[int, _Entry] = {}  # entries in "other": reclassified at phase end
         self._state: dict[int, _Entry] = {}
         self.totals = dict.fromkeys(CATEGORIES, 0)
+        self.attention = 0  # bytes of saved storages attention saved (part of activations)
         self.current = 0
         self._phase: str | None = None
         self._peak_total = 0
@@ -234,17 +241,17 @@ class PeakTracker:
     def _record(self) -> None:
         self._peak_total = self.current
         others = [(e, e.size) for e in self._other.values()]
-        self._peak = (dict(self.totals), others, self._phase)
+        self._peak = (dict(self.totals), others, self._phase, self.attention)
 
     def _finish(self) -> dict:
         """The phase's peak, with storages that were unclassified at the peak and have since
         turned out to be state (gradients made during backward) moved to their category."""
-        totals, others, phase = self._peak
+        totals, others, phase, attention = self._peak
         for entry, size in others:
             if entry.category in STATE:
                 totals["other"] -= size
                 totals[entry.category] += size
-        return {**totals, "total": sum(totals.values()), "phase": phase}
+        return {**totals, "total": sum(totals.values()), "phase": phase, LABELLED: attention}
 
     # ---- storages ----------------------------------------------------------------------
     def _bytes(self, storage: torch.UntypedStorage) -> int:
@@ -261,6 +268,7 @@ class PeakTracker:
                 return None
             entry = _Entry()
             entry.key, entry.size, entry.category, entry.saved = key, 0, "other", 0
+            entry.attention = False
             entry.ref = weakref.ref(storage, partial(self._free, key))
             self._live[key] = self._other[key] = entry
             self._grow(entry, self._bytes(storage))
@@ -278,6 +286,7 @@ class PeakTracker:
         delta = size - entry.size
         if delta:
             entry.size = size
+            self.attention += delta if entry.attention else 0
             self.totals[entry.category] += delta
             self.current += delta
             if delta > 0 and self._phase is not None and self.current > self._peak_total:
@@ -290,6 +299,7 @@ class PeakTracker:
             self._state.pop(key, None)
             self.totals[entry.category] -= entry.size
             self.current -= entry.size
+            self.attention -= entry.size if entry.attention else 0
 
     def _move(self, entry: _Entry, category: str) -> None:
         if entry.category == category:
@@ -355,8 +365,12 @@ class PeakTracker:
         held = t if t.grad_fn is None else t.detach()
         if not entries:
             return held
+        by_attention = current_label() == "attention"
         for entry in entries:
             entry.saved += 1
+            if by_attention and not entry.attention:
+                entry.attention = True
+                self.attention += entry.size
             if entry.category == "other":
                 self._move(entry, "activations")
         return _Saved(held, entries, self)
@@ -367,8 +381,12 @@ class PeakTracker:
 
     def _release(self, entry: _Entry) -> None:
         entry.saved -= 1
-        if entry.saved == 0 and entry.category == "activations":
-            self._move(entry, "other")
+        if entry.saved == 0:
+            if entry.attention:
+                entry.attention = False
+                self.attention -= entry.size
+            if entry.category == "activations":
+                self._move(entry, "other")
 
     # ---- the CUDA allocator's own peak -------------------------------------------------
     def _reset_cuda_peak(self) -> None:
