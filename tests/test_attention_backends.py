@@ -6,7 +6,6 @@ sum in another order)."""
 
 from __future__ import annotations
 
-import itertools
 import sys
 import types
 
@@ -18,6 +17,7 @@ from llm.attention import Documents, attention, check_kernel
 from llm.attention import flex as flex_module
 from llm.attention.eager import eager
 from llm.errors import ConfigError
+from tests.flash_attn_stand_in import stand_in
 
 B, T, D = 2, 16, 8
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -96,48 +96,10 @@ def _setting(**over) -> dict:
 
 
 # ---- the flash-attn package, through a stand-in ---------------------------------------
-def _stand_in(calls: list) -> types.ModuleType:
-    """A module named flash_attn with flash-attn 2's two entry points that checks the
-    layouts our adapter hands it and computes with eager."""
-
-    def flash_attn_func(
-        q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-        softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-    ):  # fmt: skip
-        calls.append(("dense", q.shape, k.shape, dropout_p, softmax_scale, causal))
-        out = eager(
-            *(x.transpose(1, 2) for x in (q, k, v)),  # (B, T, H, D) -> (B, H, T, D)
-            causal=causal, dropout_p=dropout_p, scale=softmax_scale, docs=None,
-        )  # fmt: skip
-        return out.transpose(1, 2)
-
-    def flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-        alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
-    ):  # fmt: skip
-        assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k)
-        assert isinstance(max_seqlen_q, int) and max_seqlen_q == max_seqlen_k
-        calls.append(("varlen", q.shape, k.shape, cu_seqlens_q.tolist(), max_seqlen_q, causal))
-        bounds = cu_seqlens_q.tolist()
-        outs = []
-        for start, end in itertools.pairwise(bounds):
-            # One document: (len, H, D) -> (1, H, len, D)
-            seg = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-            o = eager(*seg, causal=causal, dropout_p=dropout_p, scale=softmax_scale, docs=None)
-            outs.append(o.squeeze(0).transpose(0, 1))
-        return torch.cat(outs)
-
-    module = types.ModuleType("flash_attn")
-    module.flash_attn_func = flash_attn_func
-    module.flash_attn_varlen_func = flash_attn_varlen_func
-    return module
-
-
 @pytest.mark.parametrize(("causal", "doc_ids"), CASES)
 def test_flash_attn_adapter_matches_eager(monkeypatch, causal, doc_ids):
     calls = []
-    monkeypatch.setitem(sys.modules, "flash_attn", _stand_in(calls))
+    monkeypatch.setitem(sys.modules, "flash_attn", stand_in(calls))
     docs = None if doc_ids is None else Documents(doc_ids)
     _assert_matches_eager(backend="flash_attn", causal=causal, docs=docs, scale=0.3)
     # (B, T, H, D) with K/V keeping their 2 heads (native GQA), or (B*T, H, D) by documents.
@@ -149,7 +111,7 @@ def test_flash_attn_adapter_matches_eager(monkeypatch, causal, doc_ids):
 
 def test_flash_attn_adapter_passes_dropout(monkeypatch):
     calls = []
-    monkeypatch.setitem(sys.modules, "flash_attn", _stand_in(calls))
+    monkeypatch.setitem(sys.modules, "flash_attn", stand_in(calls))
     q, k, v = _qkv(4, 4)
     attention(q, k, v, backend="flash_attn", dropout_p=0.25)
     assert calls[0][3] == 0.25 and calls[0][4] == D**-0.5
@@ -203,7 +165,14 @@ def test_triton_adapter_hands_the_kernel_doc_ids_and_reads_its_support(monkeypat
 
     stub = types.ModuleType("llm.attention.triton_flash")
     stub.flash_attention_triton = flash_attention_triton
-    stub.TRITON_SUPPORT = {"cpu": {"head_dims": (32, 64, 128), "dropout": False}}
+    stub.TRITON_SUPPORT = types.SimpleNamespace(  # the module's declaration, its field names
+        devices=("cpu",),
+        dtypes=(torch.float32,),
+        head_dims=(32, 64, 128),
+        gqa=True,
+        dropout=False,
+        document_masking=True,
+    )
     stub.triton_available = lambda: None
     monkeypatch.setitem(sys.modules, "llm.attention.triton_flash", stub)
     docs = Documents(DOC_IDS)
@@ -213,6 +182,8 @@ def test_triton_adapter_hands_the_kernel_doc_ids_and_reads_its_support(monkeypat
     with pytest.raises(ConfigError, match="takes head dims 32, 64, 128, not 8"):
         check_kernel("triton", **_setting())
     check_kernel("triton", **_setting(head_dim=64, document_mask=True))
+    with pytest.raises(ConfigError, match="attention=triton on cpu has no attention dropout"):
+        check_kernel("triton", **_setting(head_dim=64, dropout=True))
     stub.triton_available = lambda: "attention=triton needs a CUDA GPU; use attention=sdpa"
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         check_kernel("triton", **_setting(head_dim=64))

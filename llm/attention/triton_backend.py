@@ -1,14 +1,12 @@
 """Our FlashAttention-2 kernel in Triton (llm/attention/triton_flash.py), registered here.
 
 The kernel module is imported on first use, so importing llm.attention never imports
-Triton; its own TRITON_SUPPORT (per device type, :class:`~llm.attention.support.Support`)
-and triton_available() decide what the config may ask of it.
+Triton; its own TRITON_SUPPORT and triton_available() decide what the config may ask of it.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 
 from torch import Tensor
 
@@ -34,13 +32,18 @@ def _kernel_module():
 
 
 def support() -> Supports:
-    declared = _kernel_module().TRITON_SUPPORT
-    # Plain dicts per device type are accepted as Support fields.
-    return {
-        device: s if isinstance(s, Support) else Support(**s)
-        for device, s in dict(declared).items()
-        if isinstance(s, Support | Mapping)
-    }
+    """The kernel module's TRITON_SUPPORT (devices, dtypes, head_dims, gqa, dropout,
+    document_masking), one Support per device it lists. Its interpreter devices (CPU under
+    TRITON_INTERPRET=1) are for correctness tests, not runs, so they are not listed."""
+    s = _kernel_module().TRITON_SUPPORT
+    one = Support(
+        dtypes=tuple(s.dtypes),
+        head_dims=tuple(s.head_dims),
+        gqa=s.gqa,
+        dropout=s.dropout,
+        document_mask=s.document_masking,
+    )
+    return dict.fromkeys(s.devices, one)
 
 
 def unavailable() -> str | None:
