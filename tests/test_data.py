@@ -244,7 +244,7 @@ def test_unpacked_samples_pad_inputs_with_eos_and_mask_targets():
     tokens = np.array([5, 6, 7, 0, 8, 9, 10, 11, 12, 13, 0], dtype=np.uint16)
     ds = TokenDataset(tokens, np.array([0, 4, 11]), eos_id=0)
     assert ds.num_samples(seq_len=5, packing=False) == 2
-    x, y = ds.batch([0, 1], seq_len=5, packing=False)
+    x, y, _ = ds.batch([0, 1], seq_len=5, packing=False)
     assert x.tolist() == [[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]]
     assert y.tolist() == [[6, 7, 0, IGNORE, IGNORE], [9, 10, 11, 12, 13]]  # truncated to T+1
 

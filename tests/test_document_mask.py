@@ -47,7 +47,9 @@ def test_documents_give_each_backend_the_same_boundaries():
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 5, 6, 12] and longest == 6
     assert docs.positions.tolist() == [[0, 1, 0, 1, 2, 0], list(range(6))]
     mask = docs.dense_mask(causal=True)[:, 0]
-    want = [[ids[b, q] == ids[b, k] and k <= q for k in range(6)] for b in range(2) for q in range(6)]
+    want = [
+        [ids[b, q] == ids[b, k] and k <= q for k in range(6)] for b in range(2) for q in range(6)
+    ]
     assert mask.flatten(0, 1).tolist() == want
 
 
@@ -118,7 +120,10 @@ def test_every_cpu_backend_gives_eagers_loss_with_the_mask(monkeypatch, backend,
         (["attention=eager", "attention.sdpa_kernel=math"], "applies to attention=sdpa only"),
         (["attention=flex"], "attention=flex on cpu has no backward"),
         (["attention=flash_attn"], "needs the flash-attn package"),
-        (["attention=sdpa", "attention.sdpa_kernel=cudnn"], "sdpa_kernel=cudnn does not run on cpu"),
+        (
+            ["attention=sdpa", "attention.sdpa_kernel=cudnn"],
+            "sdpa_kernel=cudnn does not run on cpu",
+        ),
         (["attention.sdpa_kernel=flash", "model.dropout=0.1"], "has no attention dropout"),
     ],
 )
