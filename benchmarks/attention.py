@@ -25,12 +25,12 @@ import torch
 from torch.utils import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_device import bench_device  # noqa: E402
+from bench_device import bench_device
 
-from llm.attention import attention, check_kernel  # noqa: E402
-from llm.attention.measure import saved_bytes  # noqa: E402
-from llm.errors import ConfigError  # noqa: E402
-from llm.memory import PeakTracker  # noqa: E402
+from llm.attention import attention, check_kernel
+from llm.attention.measure import saved_bytes
+from llm.errors import ConfigError
+from llm.memory import PeakTracker
 
 CANDIDATES = ["eager", "sdpa", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn", "flash_attn"]
 CANDIDATES += ["flex", "triton"]
@@ -126,9 +126,9 @@ def measure(name, shape, causal, dtype, device, min_run_time) -> Row:
 
     fwd_ms, bwd_ms = _ms(fwd, min_run_time), _ms(bwd, min_run_time)
     both_ms = _ms(fwd_bwd, min_run_time)
-    del out
     flops = 4 * b * h * t * t * d / (2 if causal else 1)
     inputs = sum(x.nbytes for x in (q, k, v, dout))
+    saved = saved_bytes(backend, kernel, shape=shape, dtype=dtype, device=device, causal=causal)
     return Row(
         backend=name,
         seq_len=t,
@@ -142,10 +142,7 @@ def measure(name, shape, causal, dtype, device, min_run_time) -> Row:
         fwd_tflops=flops / fwd_ms / 1e9,
         bwd_tflops=2.5 * flops / bwd_ms / 1e9,
         fwd_bwd_tflops=3.5 * flops / both_ms / 1e9,
-        saved_mib=saved_bytes(
-            backend, kernel, shape=shape, dtype=dtype, device=device, causal=causal
-        )
-        / 2**20,  # fmt: skip
+        saved_mib=saved / 2**20,
         peak_mib=_peak_mib(fwd_bwd, device, inputs),
     )
 

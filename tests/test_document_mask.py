@@ -83,7 +83,6 @@ def _loss(model, ids, doc_ids) -> torch.Tensor:
 
 
 CPU_BACKENDS = [
-    ("sdpa", "auto"),
     ("sdpa", "math"),
     ("sdpa", "flash"),
     ("flash_attn", "auto"),  # the adapter, on the stand-in package
