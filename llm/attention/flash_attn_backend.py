@@ -23,11 +23,15 @@ SUPPORT = {"cuda": Support(dtypes=HALVES, max_head_dim=256, head_dim_multiple=8)
 _INSTALL = "pip install -e .[flash] on a CUDA machine (it builds against CUDA)"
 
 
+def _missing(e: ImportError) -> str:
+    return f"attention=flash_attn needs the flash-attn package ({e}); {_INSTALL}"
+
+
 def unavailable() -> str | None:
     try:
         importlib.import_module("flash_attn")
     except ImportError as e:
-        return f"attention=flash_attn needs the flash-attn package ({e}); {_INSTALL}"
+        return _missing(e)
     return None
 
 
@@ -35,9 +39,7 @@ def _package():
     try:
         return importlib.import_module("flash_attn")
     except ImportError as e:
-        raise ConfigError(
-            f"attention=flash_attn needs the flash-attn package ({e}); {_INSTALL}"
-        ) from None
+        raise ConfigError(_missing(e)) from None
 
 
 def flash_attn(
