@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies clean
+.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -46,6 +46,9 @@ bench: $(STAMP) ## our training step against transformers' GPT2LMHeadModel
 
 bench-strategies: $(STAMP) ## DDP, our ZeRO-1/2/3, FSDP2, DeepSpeed on 2 and 4 ranks, one table
 	$(PY) benchmarks/strategies.py $(ARGS)
+
+bench-attention: $(STAMP) ## attention backends: time, TFLOP/s, memory vs T (table + plot)
+	$(PY) benchmarks/attention.py $(ARGS)
 
 clean: ## remove outputs and caches (keeps .venv)
 	rm -rf outputs multirun .cache .pytest_cache .ruff_cache

@@ -62,9 +62,31 @@ class ModelConfig:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
 
 
+SDPA_KERNELS = ("auto", "flash", "efficient", "cudnn", "math")
+
+
 @dataclass
 class AttentionConfig:
-    backend: str = "sdpa"  # eager | sdpa (later: flash_attn, triton)
+    backend: str = "sdpa"  # eager | sdpa | flash_attn | flex | triton (llm.attention.BACKENDS)
+    # sdpa only: torch picks (auto) or this kernel alone; one that cannot run is refused.
+    sdpa_kernel: str = "auto"  # auto | flash | efficient | cudnn | math
+    # Packed documents (data.packing=true) attend only inside themselves, causal inside.
+    document_mask: bool = False
+    # With document_mask: positions (RoPE, learned) restart at 0 at each document.
+    reset_positions: bool = False
+
+    def __post_init__(self) -> None:
+        _require_choice("attention", "sdpa_kernel", self.sdpa_kernel, SDPA_KERNELS)
+        if self.sdpa_kernel != "auto" and self.backend != "sdpa":
+            raise ConfigError(
+                f"attention.sdpa_kernel={self.sdpa_kernel} applies to attention=sdpa only, not "
+                f"{self.backend}; drop it or use attention=sdpa"
+            )
+        if self.reset_positions and not self.document_mask:
+            raise ConfigError(
+                "attention.reset_positions=true restarts positions at packed documents, which "
+                "needs attention.document_mask=true"
+            )
 
 
 STRATEGY_NAMES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed")

@@ -98,7 +98,9 @@ def build_model_for(cfg: Config, vocab_size: int) -> tuple[Transformer, WeightSo
     else:
         args = model_args_for(cfg, vocab_size)
         weights = InitSource(args, cfg.train.seed)
-    return build_model(args, attention_backend=cfg.attention.backend), weights
+    a = cfg.attention
+    model = build_model(args, a.backend, a.sdpa_kernel, a.reset_positions)
+    return model, weights
 
 
 def main(cfg: Config, env: RankEnv) -> dict:

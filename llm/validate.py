@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from llm.attention import get_backend
+from llm.attention import check_kernel, get_kernel
 from llm.config import Config
 from llm.errors import ConfigError
-from llm.models import ModelArgs, build_model, freeze, model_args
+from llm.models import HFSource, ModelArgs, build_model, freeze, model_args
 from llm.precision import resolve_precision
 
 
@@ -50,7 +50,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"data.seq_len={cfg.data.seq_len} exceeds model {cfg.model.name}'s max_seq_len="
             f"{args.max_seq_len}; lower data.seq_len or raise model.max_seq_len"
         )
-    get_backend(cfg.attention.backend)
+    get_kernel(cfg.attention.backend, cfg.attention.sdpa_kernel)
     if cfg.model.freeze and cfg.model.init_from is None:
         freeze(build_model(args), cfg.model.freeze)  # on the meta device: names only
     device = resolve_device(cfg)
@@ -80,6 +80,31 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"model.init_from={cfg.model.init_from} is not a directory; give a local Hugging "
             "Face checkpoint directory (config.json + weights)"
         )
+    if cfg.model.init_from is not None:
+        args = HFSource(cfg.model.init_from).args
+    _validate_attention(cfg, args, precision.compute_dtype, device)
+
+
+def _validate_attention(cfg: Config, args: ModelArgs, dtype: torch.dtype, device) -> None:
+    """The attention kernel against what it declares it supports, for this model, precision
+    and device (attention sees q, k, v in the compute dtype); training needs its backward."""
+    a = cfg.attention
+    if a.document_mask and not cfg.data.packing:
+        raise ConfigError(
+            "attention.document_mask=true keeps packed documents apart, but data.packing=false "
+            "puts one document per sample; set data.packing=true or document_mask=false"
+        )
+    check_kernel(
+        a.backend,
+        a.sdpa_kernel,
+        device=device.type,
+        dtype=dtype,
+        head_dim=args.head_dim,
+        gqa=args.n_kv_heads != args.n_heads,
+        dropout=args.dropout > 0,
+        document_mask=a.document_mask,
+        training=True,
+    )
 
 
 def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device) -> None:

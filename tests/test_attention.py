@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from llm.attention import BACKENDS, attention, get_backend, register_backend
+from llm.attention import BACKENDS, AttentionKernel, attention, get_kernel, register_backend
+from llm.attention.eager import SUPPORT, eager
 from llm.errors import ConfigError
 
 B, T, D = 2, 16, 8
@@ -48,9 +49,10 @@ def test_causal_ignores_the_future():
 
 def test_unknown_backend_names_the_choices():
     with pytest.raises(
-        ConfigError, match=r"attention.backend='x' is unknown; choose one of eager, sdpa"
+        ConfigError,
+        match=r"attention.backend='x' is unknown; choose one of eager, sdpa, flash_attn, flex, triton",
     ):
-        get_backend("x")
+        get_kernel("x")
     q, k, v = _qkv(2, 2)
     with pytest.raises(ConfigError, match="unknown"):
         attention(q, k, v, backend="flash_nope")
@@ -65,14 +67,14 @@ def test_mismatched_heads_are_refused():
 def test_registered_backend_is_dispatched_to():
     calls = []
 
-    def spy(q, k, v, *, causal, dropout_p):
-        calls.append((causal, dropout_p))
-        return BACKENDS["eager"](q, k, v, causal=causal, dropout_p=dropout_p)
+    def spy(q, k, v, *, causal, dropout_p, scale, docs):
+        calls.append((causal, dropout_p, scale, docs))
+        return eager(q, k, v, causal=causal, dropout_p=dropout_p, scale=scale, docs=docs)
 
-    register_backend("spy", spy)
+    register_backend("spy", {"auto": AttentionKernel(spy, lambda: SUPPORT)})
     try:
         q, k, v = _qkv(2, 1)
         attention(q, k, v, backend="spy", causal=False)
     finally:
         del BACKENDS["spy"]
-    assert calls == [(False, 0.0)]
+    assert calls == [(False, 0.0, D**-0.5, None)]

@@ -18,6 +18,8 @@ GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "expe
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 BASE = ["output_dir=/tmp/unused"]
+# Attention backends that cannot train on CPU, and what their refusal says there.
+GPU_ATTENTION = {"flash_attn": "flash-attn package", "flex": "no backward", "triton": "triton"}
 
 
 def test_every_group_has_options():
@@ -51,6 +53,9 @@ def test_every_option_composes(group, option, tmp_path):
         assert getattr(cfg, group).name == option
     if group == "precision" and option in ("tf32", "fp8") and not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
+            validate(cfg)
+    elif group == "attention" and option in GPU_ATTENTION and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=GPU_ATTENTION[option]):
             validate(cfg)
     else:
         validate(cfg)

@@ -244,7 +244,7 @@ def test_unpacked_samples_pad_inputs_with_eos_and_mask_targets():
     tokens = np.array([5, 6, 7, 0, 8, 9, 10, 11, 12, 13, 0], dtype=np.uint16)
     ds = TokenDataset(tokens, np.array([0, 4, 11]), eos_id=0)
     assert ds.num_samples(seq_len=5, packing=False) == 2
-    x, y = ds.batch([0, 1], seq_len=5, packing=False)
+    x, y, _ = ds.batch([0, 1], seq_len=5, packing=False)
     assert x.tolist() == [[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]]
     assert y.tolist() == [[6, 7, 0, IGNORE, IGNORE], [9, 10, 11, 12, 13]]  # truncated to T+1
 
@@ -349,7 +349,7 @@ def test_loaders_from_prepared_data_and_too_small_corpus(tmp_path):
     cfg = cfg_for(write_docs(tmp_path / "docs", n=20), tmp_path, seq_len=2048, packing=False)
     prepared = prepare_data(cfg)
     train = build_train_loader(prepared, cfg, micro_batch_size=4, dp_rank=0, dp_size=1, seed=0)
-    x, y = next(train)
+    x, y, _ = next(train)
     assert x.shape == y.shape == (4, 2048)
     # Documents are shorter than seq_len: each sample has its own number of targets.
     n_targets = (y != IGNORE).sum(dim=1)

@@ -2,10 +2,30 @@
 
 Every backend takes q (B, H, T, D) and k, v (B, Hkv, T, D) with H % Hkv == 0 and returns
 (B, H, T, D); grouped-query and multi-query attention are handled inside, so models never
-repeat K/V themselves. Later backends (the flash_attn package, our Triton kernel) plug in
-with :func:`register_backend` without touching the models.
+repeat K/V themselves. Backends: eager (the reference), sdpa (torch's fused kernels, one
+chosen by ``attention.sdpa_kernel``), flash_attn (the package), flex (FlexAttention,
+compiled) and triton (our FlashAttention-2 kernel). Each declares what it supports
+(:mod:`llm.attention.support`); :func:`check_kernel` refuses the rest in one line.
 """
 
-from llm.attention.registry import BACKENDS, attention, get_backend, register_backend
+from llm.attention.documents import Documents
+from llm.attention.registry import (
+    BACKENDS,
+    AttentionKernel,
+    attention,
+    check_kernel,
+    get_kernel,
+    register_backend,
+)
+from llm.attention.support import Support
 
-__all__ = ["BACKENDS", "attention", "get_backend", "register_backend"]
+__all__ = [
+    "BACKENDS",
+    "AttentionKernel",
+    "Documents",
+    "Support",
+    "attention",
+    "check_kernel",
+    "get_kernel",
+    "register_backend",
+]

@@ -10,18 +10,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llm.attention.documents import Documents
+from llm.attention.support import Support
+
+SUPPORT = {"cpu": Support(), "cuda": Support()}
+
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     """(B, Hkv, T, D) -> (B, Hkv * n_rep, T, D); query head h reads kv head h // n_rep (as HF)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-def eager(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, dropout_p: float) -> Tensor:
+def eager(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+    docs: Documents | None,
+) -> Tensor:
     n_rep = q.size(1) // k.size(1)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, T, D)
     # fp32 scores so bf16 inputs do not lose the softmax's dynamic range.
-    scores = (q @ k.transpose(-2, -1)).float() * q.size(-1) ** -0.5  # (B, H, T, T)
-    if causal:
+    scores = (q @ k.transpose(-2, -1)).float() * scale  # (B, H, T, T)
+    if docs is not None:
+        scores = scores.masked_fill(~docs.dense_mask(causal), float("-inf"))
+    elif causal:
         t = q.size(2)
         future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))

@@ -4,6 +4,9 @@ packing=True: the stream is cut into overlapping blocks of seq_len + 1 tokens; b
 tokens[i*T : i*T + T + 1], inputs are block[:-1], targets block[1:]. Every target counts.
 packing=False: one sample per document, truncated to T + 1 tokens; inputs are padded with
 eos and targets with IGNORE, so samples differ in how many targets they hold.
+
+Packed batches carry ``doc_ids`` (B, T) int32: the document of each input token, counted
+from 0 in each row (attention.document_mask keeps documents apart with them).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ IGNORE = -100  # the target of a padded position; torch's cross_entropy ignore_i
 class Batch(NamedTuple):
     input_ids: torch.Tensor  # (B, T) int64
     targets: torch.Tensor  # (B, T) int64, IGNORE where no loss is taken
+    # (B, T) int32, non-decreasing along a row; None when samples are not packed
+    doc_ids: torch.Tensor | None = None
 
 
 class TokenDataset:
@@ -56,8 +61,17 @@ class TokenDataset:
         targets[: len(doc) - 1] = doc[1:]
         return inputs, targets
 
+    def doc_ids(self, i: int, seq_len: int) -> np.ndarray:
+        """(seq_len,) int32: the document of each input token of packed sample i, from 0."""
+        stream = np.arange(i * seq_len, (i + 1) * seq_len)
+        docs = np.searchsorted(self.offsets, stream, side="right") - 1
+        return (docs - docs[0]).astype(np.int32)
+
     def batch(self, indices: Sequence[int], seq_len: int, packing: bool) -> Batch:
         pairs = [self.sample(int(i), seq_len, packing) for i in indices]
         inputs = torch.from_numpy(np.stack([p[0] for p in pairs]))
         targets = torch.from_numpy(np.stack([p[1] for p in pairs]))
-        return Batch(inputs, targets)
+        if not packing:
+            return Batch(inputs, targets)
+        docs = torch.from_numpy(np.stack([self.doc_ids(int(i), seq_len) for i in indices]))
+        return Batch(inputs, targets, docs)

@@ -138,9 +138,12 @@ class ValLoader:
             return self.dataset.batch(indices, self.seq_len, self.packing)
         pad_inputs = torch.zeros(n_pad, self.seq_len, dtype=torch.long)
         pad_targets = torch.full((n_pad, self.seq_len), IGNORE, dtype=torch.long)
+        # A padding row is one document (it has no target, so it never reaches the loss).
+        pad_docs = torch.zeros(n_pad, self.seq_len, dtype=torch.int32) if self.packing else None
         if len(indices) == 0:
-            return Batch(pad_inputs, pad_targets)
+            return Batch(pad_inputs, pad_targets, pad_docs)
         real = self.dataset.batch(indices, self.seq_len, self.packing)
+        docs = None if pad_docs is None else torch.cat([real.doc_ids, pad_docs])
         return Batch(
-            torch.cat([real.input_ids, pad_inputs]), torch.cat([real.targets, pad_targets])
+            torch.cat([real.input_ids, pad_inputs]), torch.cat([real.targets, pad_targets]), docs
         )

@@ -1,7 +1,7 @@
 """Measuring memory: bytes of tensor storages by kind, activations autograd saves, the peak
 of live tensor bytes by category and phase, and the process's or allocator's peaks."""
 
-from llm.memory.activations import ActivationMemoryCounter
+from llm.memory.activations import ActivationMemoryCounter, current_label, saved_as
 from llm.memory.peak import CATEGORIES, MODES, PeakTracker
 from llm.memory.process import cuda_peak_bytes, peak_rss_bytes, process_rss_bytes
 from llm.memory.storage import (
@@ -19,12 +19,14 @@ __all__ = [
     "ActivationMemoryCounter",
     "PeakTracker",
     "cuda_peak_bytes",
+    "current_label",
     "local_shard",
     "model_state_bytes",
     "module_state_tensors",
     "optimizer_state_tensors",
     "peak_rss_bytes",
     "process_rss_bytes",
+    "saved_as",
     "state_bytes",
     "storage_bytes",
 ]

@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass_type,
 )
 
+from llm.memory.activations import current_label
+
 STATE = ("params", "grads", "optimizer_states")
 CATEGORIES = (*STATE, "activations", "other")
 CUDA_BLOCK = 512  # the caching allocator's rounding (c10/cuda/CUDACachingAllocator.cpp)
@@ -33,9 +35,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class Entry:
-    """One live storage: its bytes now, its category, how many saved tensors hold it."""
+    """One live storage: its bytes now, its category, how many saved tensors hold it, and
+    whether attention saved it."""
 
-    __slots__ = ("category", "key", "ref", "saved", "size")
+    __slots__ = ("attention", "category", "key", "ref", "saved", "size")
 
 
 class _Saved:
@@ -97,6 +100,7 @@ class LiveStorages:
         self.other: dict[int, Entry] = {}  # entries in "other": reclassified at phase end
         self._state: dict[int, Entry] = {}
         self.totals = dict.fromkeys(CATEGORIES, 0)
+        self.attention = 0  # bytes of saved storages attention saved (part of activations)
         self.current = 0
         self._resize = None
 
@@ -115,6 +119,7 @@ class LiveStorages:
                 return None
             entry = Entry()
             entry.key, entry.size, entry.category, entry.saved = key, 0, "other", 0
+            entry.attention = False
             entry.ref = weakref.ref(storage, partial(self._free, key))
             self.live[key] = self.other[key] = entry
             self.grow(entry, self.nbytes(storage))
@@ -132,6 +137,7 @@ class LiveStorages:
         delta = size - entry.size
         if delta:
             entry.size = size
+            self.attention += delta if entry.attention else 0
             self.totals[entry.category] += delta
             self.current += delta
             if delta > 0 and self.current > self.threshold:
@@ -144,6 +150,7 @@ class LiveStorages:
             self._state.pop(key, None)
             self.totals[entry.category] -= entry.size
             self.current -= entry.size
+            self.attention -= entry.size if entry.attention else 0
 
     def move(self, entry: Entry, category: str) -> None:
         if entry.category == category:
@@ -209,8 +216,12 @@ class LiveStorages:
         held = t if t.grad_fn is None else t.detach()
         if not entries:
             return held
+        by_attention = current_label() == "attention"
         for entry in entries:
             entry.saved += 1
+            if by_attention and not entry.attention:
+                entry.attention = True
+                self.attention += entry.size
             if entry.category == "other":
                 self.move(entry, "activations")
         return _Saved(held, entries, self)
@@ -223,6 +234,10 @@ class LiveStorages:
         entry.saved -= 1
         # A saved leaf whose .data was swapped (DeepSpeed ZeRO-3 releasing a gathered
         # parameter) may have lost its storage already: its bytes left with it.
-        alive = self.live.get(entry.key) is entry
-        if entry.saved == 0 and entry.category == "activations" and alive:
+        if entry.saved or self.live.get(entry.key) is not entry:
+            return
+        if entry.attention:
+            entry.attention = False
+            self.attention -= entry.size
+        if entry.category == "activations":
             self.move(entry, "other")

@@ -14,6 +14,9 @@ and records the breakdown whenever it sets a new high. Categories:
 - activations: storages autograd saved for backward and still holds (saved-tensor hooks).
   Inside a non-reentrant checkpointed block torch's own hooks take over, so only what the
   checkpoint keeps (the block inputs) counts.
+- activations_attention: the part of activations saved inside a ``saved_as("attention")``
+  block (the attention kernels: llm.attention labels each call), a storage counted there
+  if attention saved it at all; not a category of its own, so not added into the total.
 - other: everything else registered: communication buckets, temporaries, gathered
   parameters the strategy does not list as state, gradients of activations.
 
@@ -40,6 +43,7 @@ from llm.memory.live import CATEGORIES, STATE, LiveStorages, OpOutputs
 from llm.memory.process import cuda_peak_bytes
 
 MODES = ("logged", "every_step", "off")
+LABELLED = "activations_attention"  # the peak's key for the part attention saved
 __all__ = ["CATEGORIES", "MODES", "PeakTracker"]
 
 StateFn = Callable[[], dict[str, list[torch.Tensor]]]
@@ -179,17 +183,17 @@ class PeakTracker:
     def _record(self) -> None:
         self.live.threshold = self.live.current
         others = [(e, e.size) for e in self.live.other.values()]
-        self._peak = (dict(self.live.totals), others, self._phase)
+        self._peak = (dict(self.live.totals), others, self._phase, self.live.attention)
 
     def _finish(self) -> dict:
         """The phase's peak, with storages that were unclassified at the peak and have since
         turned out to be state (gradients made during backward) moved to their category."""
-        totals, others, phase = self._peak
+        totals, others, phase, attention = self._peak
         for entry, size in others:
             if entry.category in STATE:
                 totals["other"] -= size
                 totals[entry.category] += size
-        return {**totals, "total": sum(totals.values()), "phase": phase}
+        return {**totals, "total": sum(totals.values()), "phase": phase, LABELLED: attention}
 
     # ---- state ---------------------------------------------------------------------
     def _refresh(self) -> None:

@@ -14,10 +14,15 @@ from llm.models.transformer import Transformer
 from llm.models.weights import InitSource, materialize_from
 
 
-def build_model(args: ModelArgs, attention_backend: str = "sdpa") -> Transformer:
+def build_model(
+    args: ModelArgs,
+    attention_backend: str = "sdpa",
+    sdpa_kernel: str = "auto",
+    reset_positions: bool = False,
+) -> Transformer:
     """The model for ``args`` with every parameter on the meta device (no storage)."""
     with torch.device("meta"):
-        return Transformer(args, attention_backend)
+        return Transformer(args, attention_backend, sdpa_kernel, reset_positions)
 
 
 def materialize(model: Transformer, device: str | torch.device, seed: int) -> Transformer:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llm.attention import attention, get_backend
+from llm.attention import Documents, attention, get_kernel
 from llm.models.args import ModelArgs, RopeScaling
 
 
@@ -54,11 +54,17 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(q: Tensor, k: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate q (B, H, T, D) and k (B, Hkv, T, D) by their positions 0..T-1."""
-    pos = torch.arange(q.size(2), device=q.device, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)  # (T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+def apply_rope(
+    q: Tensor, k: Tensor, inv_freq: Tensor, positions: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Rotate q (B, H, T, D) and k (B, Hkv, T, D) by their positions: 0..T-1, or
+    ``positions`` (B, T) (restarting at each packed document)."""
+    if positions is None:
+        pos = torch.arange(q.size(2), device=q.device, dtype=torch.float32)
+    else:
+        pos = positions.float().unsqueeze(1)  # (B, 1, T): one set of angles for all heads
+    freqs = pos.unsqueeze(-1) * inv_freq  # (T, D/2) or (B, 1, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, D) or (B, 1, T, D)
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
@@ -67,10 +73,10 @@ class Attention(nn.Module):
     """Causal self-attention with separate q/k/v projections (each shards cleanly column-wise
     under tensor parallelism, which a fused qkv does not); RoPE when the family uses it."""
 
-    def __init__(self, args: ModelArgs, backend: str) -> None:
+    def __init__(self, args: ModelArgs, backend: str, sdpa_kernel: str = "auto") -> None:
         super().__init__()
-        get_backend(backend)  # an unknown name fails at build time, not at the first step
-        self.args, self.backend = args, backend
+        get_kernel(backend, sdpa_kernel)  # an unknown name fails at build time, not at a step
+        self.args, self.backend, self.kernel = args, backend, sdpa_kernel
         bias = args.family == "gpt2"
         kv_dim = args.n_kv_heads * args.head_dim
         self.wq = nn.Linear(args.d_model, args.d_model, bias=bias)
@@ -79,7 +85,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.d_model, args.d_model, bias=bias)
         self.resid_dropout = nn.Dropout(args.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, docs: Documents | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        """x (B, T, d); ``docs``: packed documents to keep apart; ``positions`` (B, T) for
+        RoPE when they restart at each document."""
         b, t, _ = x.shape  # (B, T, d)
         a = self.args
         q = self.wq(x).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -88,9 +98,11 @@ class Attention(nn.Module):
         if a.family == "llama":
             # Recomputed per call from the shape (a few T x D/2 ops): no buffer for to_empty to
             # leave as garbage or for .to(bf16) to round.
-            q, k = apply_rope(q, k, rope_inv_freq(a, x.device))
+            q, k = apply_rope(q, k, rope_inv_freq(a, x.device), positions)
         p = a.dropout if self.training else 0.0
-        y = attention(q, k, v, causal=True, backend=self.backend, dropout_p=p)  # (B, H, T, D)
+        y = attention(
+            q, k, v, causal=True, backend=self.backend, dropout_p=p, docs=docs, kernel=self.kernel
+        )  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(b, t, a.d_model)
         return self.resid_dropout(self.wo(y))
 

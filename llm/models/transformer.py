@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from llm.attention import Documents
 from llm.errors import ConfigError
 from llm.models.args import ModelArgs
 from llm.models.layers import Attention, GeluMLP, RMSNorm, SwiGLU
@@ -22,30 +23,42 @@ def _norm(args: ModelArgs) -> nn.Module:
 
 
 class Block(nn.Module):
-    """x + attention(norm(x)), then + mlp(norm(x)); takes and returns (B, T, d) only, so
-    checkpoint wrappers and pipeline stages need no side inputs."""
+    """x + attention(norm(x)), then + mlp(norm(x)); maps (B, T, d) to (B, T, d). The only
+    side inputs are optional and not differentiated: packed documents and their positions."""
 
-    def __init__(self, args: ModelArgs, attention_backend: str) -> None:
+    def __init__(self, args: ModelArgs, attention_backend: str, sdpa_kernel: str = "auto") -> None:
         super().__init__()
         self.attention_norm = _norm(args)
-        self.attention = Attention(args, attention_backend)
+        self.attention = Attention(args, attention_backend, sdpa_kernel)
         self.ffn_norm = _norm(args)
         self.feed_forward = GeluMLP(args) if args.family == "gpt2" else SwiGLU(args)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(
+        self, x: Tensor, docs: Documents | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), docs, positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, attention_backend: str = "sdpa") -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        attention_backend: str = "sdpa",
+        sdpa_kernel: str = "auto",
+        reset_positions: bool = False,
+    ) -> None:
         super().__init__()
         self.args = args
+        # With document ids: positions (RoPE, learned) restart at 0 in each document.
+        self.reset_positions = reset_positions
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.d_model)
         if args.family == "gpt2":
             self.pos_embeddings = nn.Embedding(args.max_seq_len, args.d_model)
         self.dropout = nn.Dropout(args.dropout)
-        self.layers = nn.ModuleList(Block(args, attention_backend) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(
+            Block(args, attention_backend, sdpa_kernel) for _ in range(args.n_layers)
+        )
         self.norm = _norm(args)
         self.output = nn.Linear(args.d_model, args.vocab_size, bias=False)
         self.tie_weights()
@@ -56,19 +69,24 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """input_ids (B, T) int64 -> logits (B, T, V) in the compute dtype (the trainer upcasts
-        for the loss, so fp32 logits are not materialised twice)."""
+        for the loss, so fp32 logits are not materialised twice). ``doc_ids`` (B, T): the
+        packed document of each token; given, attention stays inside documents."""
         t = input_ids.size(1)
         if t > self.args.max_seq_len:
             raise ConfigError(
                 f"sequence length {t} exceeds model.max_seq_len={self.args.max_seq_len}; "
                 "lower data.seq_len or raise model.max_seq_len"
             )
+        # Built once per forward; the masks each backend derives from it are shared by layers.
+        docs = None if doc_ids is None else Documents(doc_ids)
+        positions = docs.positions if docs is not None and self.reset_positions else None
         h = self.tok_embeddings(input_ids)  # (B, T, d)
         if self.args.family == "gpt2":
-            h = h + self.pos_embeddings(torch.arange(t, device=input_ids.device))
+            pos = torch.arange(t, device=input_ids.device) if positions is None else positions
+            h = h + self.pos_embeddings(pos)
         h = self.dropout(h)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, docs, positions)
         return self.output(self.norm(h))  # (B, T, V)

@@ -48,6 +48,8 @@ def fragments(engine, inner: torch.optim.Optimizer) -> dict[str, Fragment | None
     opt, out = engine.optimizer, {}
     flats = [f for f, _ in optimizer_flats(engine, inner)]
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue  # frozen: in no optimizer group, so no master (see checkpoint_state)
         if hasattr(p, "ds_tensor"):  # ZeRO-3: rank r holds [r * n, (r + 1) * n), padded
             group, offset, n = opt.grad_position[opt.get_param_id(p)]
             start = dist.get_rank(p.ds_process_group) * n
@@ -109,9 +111,7 @@ def checkpoint_state(engine, inner, group_names: list[list[str]], group, shard: 
     model, states = {}, {}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
-            # Frozen (model.freeze; refused at stage 3): no master and no state, a whole
-            # replica on every rank, saved once and loaded in place.
-            model[name] = p.detach()
+            model[name] = _frozen(p, group, shard)
             continue
         shape, f = getattr(p, "ds_shape", p.shape), frags[name]  # ZeRO-3 empties p.data
         model[name] = entry(f, shape, None)
@@ -125,6 +125,22 @@ def checkpoint_state(engine, inner, group_names: list[list[str]], group, shard: 
         for g, params in zip(inner.param_groups, group_names, strict=True)
     ]
     return {"model": model, "optimizer": {"state": states, "param_groups": groups}}
+
+
+def _frozen(p: torch.nn.Parameter, group, shard: bool):
+    """A frozen parameter (model.freeze) has no master and no state. Stages 0-2: a whole
+    replica on every rank, saved once and loaded in place. Stage 3 partitions it like the
+    others, in the working dtype: rank r's [r * n, (r + 1) * n) of it, padded, is
+    ``p.ds_tensor`` (loaded in place; a dtype differing from the checkpoint's is cast)."""
+    if not hasattr(p, "ds_tensor"):
+        return p.detach()
+    n = p.ds_tensor.numel()
+    start = dist.get_rank(p.ds_process_group) * n
+    real = min(n, max(0, p.ds_numel - start))
+    local = p.ds_tensor.detach().view(-1).narrow(0, 0, real)
+    if not shard:
+        return local.view(p.ds_shape)  # one rank holds it all
+    return sharded(p.ds_shape, start, local, p.ds_tensor, group)
 
 
 def restore(engine, inner, saved_optimizer: dict) -> None:

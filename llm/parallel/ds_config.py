@@ -234,12 +234,6 @@ def checked_ds_config(
     before any rank starts (from llm.validate) as well as by the strategy."""
     if precision.name in ("bf16_pure", "fp8"):
         raise ConfigError(f"precision={precision.name} is not mapped onto DeepSpeed; use bf16")
-    if cfg.model.freeze and cfg.parallelism.zero_stage == 3:
-        raise ConfigError(
-            "model.freeze with parallelism=deepspeed zero_stage=3 is not supported (frozen "
-            "parameters have no partitioned master to checkpoint from); use zero_stage 1 or 2, "
-            "or parallelism=fsdp"
-        )
     if precision.name == "fp16" and device.type != "cuda":
         raise ConfigError("DeepSpeed has no fp16 on CPU; use precision=bf16 or fp32")
     if cfg.parallelism.zero_stage == 0 and precision.working_dtype != torch.float32:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from llm.config import Config
-from llm.data import IGNORE
+from llm.data import IGNORE, Batch
 from llm.dist import gather_object
 from llm.memory import PeakTracker, peak_rss_bytes
 from llm.optim import warmup_note
@@ -165,9 +165,14 @@ class Trainer:
             self.logger.info(f"saved checkpoint {path}")
 
     # ---- one step ---------------------------------------------------------------------
-    def _loss_sum(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _loss_sum(
+        self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None
+    ) -> torch.Tensor:
         with self.strategy.precision.autocast(self.device):
-            logits = self.model(input_ids)  # (B, T, V)
+            if doc_ids is None:
+                logits = self.model(input_ids)  # (B, T, V)
+            else:  # attention.document_mask: attention stays inside packed documents
+                logits = self.model(input_ids, doc_ids=doc_ids)
         return F.cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
         )
@@ -178,13 +183,21 @@ class Trainer:
         # From pinned memory the copy is asynchronous: the host runs on to the forward.
         return t.pin_memory().to(self.device, non_blocking=True)
 
+    def _batch_to(self, batch: Batch, copy) -> Batch:
+        """The batch with ``copy`` applied to its tensors; document ids only when
+        attention.document_mask uses them."""
+        docs = batch.doc_ids if self.cfg.attention.document_mask else None
+        return Batch(
+            copy(batch.input_ids), copy(batch.targets), docs if docs is None else copy(docs)
+        )
+
     def train_step(self, timer: StepTimer, stop: StopRequested) -> _StepOnDevice:
         """One optimizer step over grad_accum_steps micro-batches; what it leaves on the
         device is read later (``_read_pending``)."""
         with timer.data():
             batches = [next(self.train_loader) for _ in range(self.cfg.train.grad_accum_steps)]
-        batches = [(self._to_device(x), self._to_device(y)) for x, y in batches]
-        local_tokens = torch.stack([(y != IGNORE).sum() for _, y in batches]).sum()
+        batches = [self._batch_to(b, self._to_device) for b in batches]
+        local_tokens = torch.stack([(b.targets != IGNORE).sum() for b in batches]).sum()
         # One tiny collective gives every rank the global target count (for the loss
         # normaliser) and whether any rank was asked to stop; both stay on the device.
         counts = _all_reduce_sum([local_tokens, float(stop.requested)], self.device)
@@ -205,10 +218,10 @@ class Trainer:
         """Forward and backward of every micro-batch, then the optimizer step, each a phase
         of the peak tracker. Returns (the summed loss, the strategy's step result)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y, docs) in enumerate(batches):
             with self.strategy.micro_batch(sync=i == len(batches) - 1):
                 self.tracker.phase("forward")
-                loss = self._loss_sum(x, y)
+                loss = self._loss_sum(x, y, docs)
                 self.tracker.phase("backward")
                 scaled = loss * scale
                 self.tracker.watch_backward(scaled)
@@ -260,9 +273,9 @@ class Trainer:
         self.model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        for x, y in self.val_loader:
-            x, y = x.to(self.device), y.to(self.device)
-            loss_sum += self._loss_sum(x, y)
+        for batch in self.val_loader:
+            x, y, docs = self._batch_to(batch, lambda t: t.to(self.device))
+            loss_sum += self._loss_sum(x, y, docs)
             tokens += (y != IGNORE).sum()
         self.model.train()
         loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], self.device).tolist()
