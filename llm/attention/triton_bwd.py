@@ -21,13 +21,26 @@ KEY = ["T", "HEAD_DIM", "CAUSAL", "HAS_DOCS"]
 
 
 @triton.jit
-def flash_bwd_delta_kernel(O, DO, DELTA, stride_dob, stride_doh, stride_dot, H, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """DELTA = rowsum(dO * O), (B, H, T) fp32: the softmax backward's per-row term. O is contiguous."""
+def flash_bwd_delta_kernel(
+    Out,
+    DO,
+    DELTA,
+    stride_dob,
+    stride_doh,
+    stride_dot,
+    H,
+    T,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """DELTA = rowsum(dO * Out), (B, H, T) fp32: the softmax backward's per-row term; Out contiguous."""
     bh = tl.program_id(1)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m[:, None] < T
-    o = tl.load(O + (bh * T + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=in_seq, other=0.0)
+    o = tl.load(
+        Out + (bh * T + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=in_seq, other=0.0
+    )
     do_rows = DO + (bh // H) * stride_dob + (bh % H) * stride_doh + offs_m[:, None] * stride_dot
     do = tl.load(do_rows + offs_d[None, :], mask=in_seq, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -46,7 +59,9 @@ def dkdv_block_loop(
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         in_seq = offs_m < T
-        q_t = tl.load(q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None], mask=in_seq[None, :], other=0.0)
+        q_t = tl.load(
+            q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None], mask=in_seq[None, :], other=0.0
+        )
         lse = tl.load(lse_ptr + offs_m, mask=in_seq, other=0.0)
         s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T
         if MASKED:
@@ -58,7 +73,9 @@ def dkdv_block_loop(
             doc_q = tl.load(doc_ptr + offs_m, mask=in_seq, other=0)
             s_t = tl.where(doc_k[:, None] == doc_q[None, :], s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse[None, :])  # P^T recomputed from the saved log-sum-exp
-        do = tl.load(do_ptr + offs_m[:, None] * stride_dot + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        do = tl.load(
+            do_ptr + offs_m[:, None] * stride_dot + offs_d[None, :], mask=in_seq[:, None], other=0.0
+        )
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = tl.load(delta_ptr + offs_m, mask=in_seq, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
@@ -67,7 +84,9 @@ def dkdv_block_loop(
     return dk, dv
 
 
-@triton.autotune(configs=dkdv_configs(), key=KEY, prune_configs_by={"early_config_prune": prune_dkdv})
+@triton.autotune(
+    configs=dkdv_configs(), key=KEY, prune_configs_by={"early_config_prune": prune_dkdv}
+)
 @triton.jit
 def flash_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, DOC, DOC_START, DOC_END,
@@ -108,7 +127,9 @@ def flash_bwd_dkdv_kernel(
     diag_end = lo
     if CAUSAL:
         diag_end = lo + tl.cdiv(key0 + BLOCK_N - 1 - lo, BLOCK_M) * BLOCK_M
-    tail = tl.maximum(diag_end, tl.minimum((T // BLOCK_M) * BLOCK_M, tl.cdiv(hi, BLOCK_M) * BLOCK_M))
+    tail = tl.maximum(
+        diag_end, tl.minimum((T // BLOCK_M) * BLOCK_M, tl.cdiv(hi, BLOCK_M) * BLOCK_M)
+    )
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -151,8 +172,12 @@ def dq_block_loop(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         in_seq = offs_n < T
-        k_t = tl.load(k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None], mask=in_seq[None, :], other=0.0)
-        v_t = tl.load(v_ptr + offs_n[None, :] * stride_vt + offs_d[:, None], mask=in_seq[None, :], other=0.0)
+        k_t = tl.load(
+            k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None], mask=in_seq[None, :], other=0.0
+        )
+        v_t = tl.load(
+            v_ptr + offs_n[None, :] * stride_vt + offs_d[:, None], mask=in_seq[None, :], other=0.0
+        )
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if MASKED:
             keep = in_seq[None, :]
@@ -189,8 +214,16 @@ def flash_bwd_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < T
     rows = offs_m[:, None]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qt + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows * stride_dot + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + rows * stride_qt + offs_d[None, :],
+        mask=in_seq[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + rows * stride_dot + offs_d[None, :],
+        mask=in_seq[:, None],
+        other=0.0,
+    )
     lse = tl.load(LSE + bh * T + offs_m, mask=in_seq, other=0.0)
     delta = tl.load(DELTA + bh * T + offs_m, mask=in_seq, other=0.0)
     k_ptr = K + b * stride_kb + hk * stride_kh

@@ -22,16 +22,16 @@ def _configs(block_m, block_n, warps, stages):
 
 
 def fwd_configs():
-    return _configs((64, 128), (32, 64, 128), (4, 8), (3, 4)) + [_interpreter_config("fwd")]
+    return [*_configs((64, 128), (32, 64, 128), (4, 8), (3, 4)), _interpreter_config("fwd")]
 
 
 def dkdv_configs():
     # BLOCK_N keys stay in registers while BLOCK_M query rows stream past: keys get the big block.
-    return _configs((32, 64), (64, 128), (4, 8), (2, 3)) + [_interpreter_config("dkdv")]
+    return [*_configs((32, 64), (64, 128), (4, 8), (2, 3)), _interpreter_config("dkdv")]
 
 
 def dq_configs():
-    return _configs((64, 128), (32, 64), (4, 8), (2, 3)) + [_interpreter_config("dq")]
+    return [*_configs((64, 128), (32, 64), (4, 8), (2, 3)), _interpreter_config("dq")]
 
 
 def _interpreter_config(kernel):

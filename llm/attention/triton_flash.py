@@ -85,16 +85,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, dropout_p: f
             f"attention.backend=triton has no dropout (got {dropout_p}); set attention.dropout=0 "
             "or use attention.backend=sdpa"
         )
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"attention.backend=triton needs the triton package: {_INSTALL}") from None
-    interpreted = triton.knobs.runtime.interpret and q.device.type in TRITON_SUPPORT.interpreter_devices
-    if q.device.type not in TRITON_SUPPORT.devices and not interpreted:
-        raise ConfigError(
-            f"our Triton kernel needs CUDA tensors, not {q.device} (on CPU it runs only in "
-            "Triton's interpreter: TRITON_INTERPRET=1 set before triton is imported; tests only)"
-        )
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ConfigError(
             f"triton attention wants q (B, H, T, D) and k, v (B, Hkv, T, D); got "
@@ -123,6 +113,20 @@ def _check(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, dropout_p: f
             f"doc_ids must be integer ids of shape (B, T) = {(b, t)} on {q.device}; got "
             f"{doc_ids.dtype} {tuple(doc_ids.shape)} on {doc_ids.device}"
         )
+    try:
+        import triton
+    except ImportError:
+        raise ConfigError(
+            f"attention.backend=triton needs the triton package: {_INSTALL}"
+        ) from None
+    interpreted = (
+        triton.knobs.runtime.interpret and q.device.type in TRITON_SUPPORT.interpreter_devices
+    )
+    if q.device.type not in TRITON_SUPPORT.devices and not interpreted:
+        raise ConfigError(
+            f"our Triton kernel needs CUDA tensors, not {q.device} (on CPU it runs only in "
+            "Triton's interpreter: TRITON_INTERPRET=1 set before triton is imported; tests only)"
+        )
 
 
 def _document_runs(doc_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -137,5 +141,3 @@ def _document_runs(doc_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     start = torch.where(new, pos, 0).cummax(1).values
     end = torch.where(last, pos + 1, t).flip(1).cummin(1).values.flip(1)
     return tuple(x.to(torch.int32).contiguous() for x in (run, start, end))
-
-

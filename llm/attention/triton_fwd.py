@@ -72,7 +72,9 @@ def fwd_block_loop(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         in_seq = offs_n < T
         # K is read transposed, (HEAD_DIM, BLOCK_N), so q @ kT needs no shuffle.
-        k = tl.load(k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None], mask=in_seq[None, :], other=0.0)
+        k = tl.load(
+            k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None], mask=in_seq[None, :], other=0.0
+        )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             keep = in_seq[None, :]
@@ -83,16 +85,15 @@ def fwd_block_loop(
             doc_k = tl.load(doc_ptr + offs_n, mask=in_seq)
             s = tl.where(doc_q[:, None] == doc_k[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if HAS_DOCS:
-            # A row may meet a block holding only other documents before its own: keep its
-            # max at -inf but subtract 0, so exp2 gives 0 instead of exp2(-inf + inf) = nan.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_sub = m_new
+        # With documents a row may meet a block holding only other documents before its own:
+        # its max stays -inf, and subtracting 0 gives exp2(-inf) = 0, not exp2(-inf + inf) = nan.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new) if HAS_DOCS else m_new
         p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs_n[:, None] * stride_vt + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        v = tl.load(
+            v_ptr + offs_n[:, None] * stride_vt + offs_d[None, :], mask=in_seq[:, None], other=0.0
+        )
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -108,7 +109,7 @@ def flash_fwd_kernel(
     Q,
     K,
     V,
-    O,
+    Out,
     LSE,
     DOC,
     DOC_START,
@@ -136,7 +137,7 @@ def flash_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (cdiv(T, BLOCK_M), B * H). Q, K, V, O: last dim contiguous. LSE (B, H, T) fp32.
+    """Grid (cdiv(T, BLOCK_M), B * H). Q, K, V, Out: last dim contiguous. LSE (B, H, T) fp32.
     DOC, DOC_START, DOC_END: (B, T) int32 run index, run start and run end per token."""
     row0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -172,6 +173,6 @@ def flash_fwd_kernel(
     )  # fmt: skip
 
     in_seq = offs_m < T
-    o_rows = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
-    tl.store(o_rows, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=in_seq[:, None])
+    o_rows = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
+    tl.store(o_rows, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=in_seq[:, None])
     tl.store(LSE + bh * T + offs_m, m_i + tl.math.log2(l_i), mask=in_seq)
