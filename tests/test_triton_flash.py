@@ -55,6 +55,7 @@ def reference_grads(case: Case):
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """Our kernel's outputs and gradients for every case, computed in Triton's interpreter."""
+    pytest.importorskip("triton")  # a requirement on Linux; no wheels elsewhere
     path = tmp_path_factory.mktemp("triton") / "results.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     script = Path(__file__).parent / "triton_interpreter_cases.py"
@@ -70,7 +71,7 @@ def test_interpreted_kernel_matches_eager(interpreted, name):
     """Every case's output and gradients; the poisoned cases check only what the NaNs must not
     reach, against the reference without NaNs, so a skipped block that is read fails them."""
     case = CASES[name]
-    ours, ref = interpreted[name], reference_grads(case)
+    ours, ref = interpreted["cases"][name], reference_grads(case)
     checked = case.checked or [(key, 0, case.seq_len) for key in ("out", "dq", "dk", "dv")]
     for key, start, end in checked:
         assert ours[key].shape == ref[key].shape, key
@@ -88,9 +89,24 @@ def test_documents_do_not_see_each_other(interpreted):
     k, v = x["k"].clone(), x["v"].clone()
     k[0, :, first], v[0, :, first] = 7.0, -7.0
     changed = masked_reference(x["q"], k, v, causal=True, doc_ids=x["doc_ids"])
-    out = interpreted["docs_causal_T100_D32"]["out"]
+    out = interpreted["cases"]["docs_causal_T100_D32"]["out"]
     torch.testing.assert_close(out[0, :, ~first], changed[0, :, ~first], rtol=RTOL, atol=ATOL)
     assert not torch.allclose(out[0, :, first], changed[0, :, first], atol=0.1)
+
+
+def test_autotuned_configs_are_recorded_per_kernel_and_key(interpreted):
+    """The recording helper reads each kernel's choice per tuning key back from triton's
+    autotuners: under the interpreter, the one configuration of INTERPRETER_BLOCKS."""
+    from llm.attention.triton_configs import INTERPRETER_BLOCKS
+
+    rows = interpreted["autotuned"]
+    kernels = {"forward": "fwd", "backward_dkdv": "dkdv", "backward_dq": "dq"}
+    keys = {(c.seq_len, c.head_dim, c.causal, c.docs is not None) for c in CASES.values()}
+    for kernel, short in kernels.items():
+        mine = [r for r in rows if r["kernel"] == kernel]
+        assert {(r["seq_len"], r["head_dim"], r["causal"], r["documents"]) for r in mine} == keys
+        assert {(r["block_m"], r["block_n"]) for r in mine} == {INTERPRETER_BLOCKS[short]}
+        assert {r["dtype"] for r in mine} == {"float32"}
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):

@@ -97,7 +97,10 @@ def run_case(case: Case) -> dict[str, torch.Tensor]:
 def main(path: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (set before triton is imported)")
-    torch.save({name: run_case(case) for name, case in CASES.items()}, path)
+    from llm.attention.triton_tuning import autotuned_configs
+
+    results = {name: run_case(case) for name, case in CASES.items()}
+    torch.save({"cases": results, "autotuned": autotuned_configs()}, path)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,12 @@ def _kernels() -> SimpleNamespace:
     )
 
 
+def tuned_kernels() -> dict:
+    """The autotuned kernels by name (their ``cache`` maps tuning keys to chosen configs)."""
+    kern = _kernels()
+    return {"forward": kern.fwd, "backward_dkdv": kern.dkdv, "backward_dq": kern.dq}
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
