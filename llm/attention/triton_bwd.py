@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from llm.attention.triton_configs import dkdv_configs, dq_configs, prune_dkdv, prune_dq
-from llm.attention.triton_fwd import key_range
+from llm.attention.triton_fwd import key_range, load_block
 
 KEY = ["T", "HEAD_DIM", "CAUSAL", "HAS_DOCS"]
 
@@ -59,10 +59,10 @@ def dkdv_block_loop(
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         in_seq = offs_m < T
-        q_t = tl.load(
-            q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None], mask=in_seq[None, :], other=0.0
+        q_t = load_block(
+            q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None], in_seq[None, :], MASKED
         )
-        lse = tl.load(lse_ptr + offs_m, mask=in_seq, other=0.0)
+        lse = load_block(lse_ptr + offs_m, in_seq, MASKED)
         s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T
         if MASKED:
             keep = in_seq[None, :]
@@ -70,14 +70,14 @@ def dkdv_block_loop(
                 keep = keep & (offs_m[None, :] >= offs_n[:, None])
             s_t = tl.where(keep, s_t, float("-inf"))
         if HAS_DOCS:
-            doc_q = tl.load(doc_ptr + offs_m, mask=in_seq, other=0)
+            doc_q = load_block(doc_ptr + offs_m, in_seq, MASKED)
             s_t = tl.where(doc_k[:, None] == doc_q[None, :], s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse[None, :])  # P^T recomputed from the saved log-sum-exp
-        do = tl.load(
-            do_ptr + offs_m[:, None] * stride_dot + offs_d[None, :], mask=in_seq[:, None], other=0.0
+        do = load_block(
+            do_ptr + offs_m[:, None] * stride_dot + offs_d[None, :], in_seq[:, None], MASKED
         )
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        delta = tl.load(delta_ptr + offs_m, mask=in_seq, other=0.0)
+        delta = load_block(delta_ptr + offs_m, in_seq, MASKED)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=DOT_PRECISION)
@@ -172,11 +172,11 @@ def dq_block_loop(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         in_seq = offs_n < T
-        k_t = tl.load(
-            k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None], mask=in_seq[None, :], other=0.0
+        k_t = load_block(
+            k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None], in_seq[None, :], MASKED
         )
-        v_t = tl.load(
-            v_ptr + offs_n[None, :] * stride_vt + offs_d[:, None], mask=in_seq[None, :], other=0.0
+        v_t = load_block(
+            v_ptr + offs_n[None, :] * stride_vt + offs_d[:, None], in_seq[None, :], MASKED
         )
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if MASKED:
@@ -185,7 +185,7 @@ def dq_block_loop(
                 keep = keep & (offs_m[:, None] >= offs_n[None, :])
             s = tl.where(keep, s, float("-inf"))
         if HAS_DOCS:
-            doc_k = tl.load(doc_ptr + offs_n, mask=in_seq, other=0)
+            doc_k = load_block(doc_ptr + offs_n, in_seq, MASKED)
             s = tl.where(doc_q[:, None] == doc_k[None, :], s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)

@@ -42,6 +42,13 @@ def key_range(
 
 
 @triton.jit
+def load_block(ptrs, mask, MASKED: tl.constexpr):
+    """Zero-filled past T in MASKED blocks; the unmasked loops' blocks end at or before T, so
+    their loads need no mask (and the compiler can vectorise them fully)."""
+    return tl.load(ptrs, mask=mask, other=0) if MASKED else tl.load(ptrs)
+
+
+@triton.jit
 def fwd_block_loop(
     acc,
     l_i,
@@ -72,8 +79,8 @@ def fwd_block_loop(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         in_seq = offs_n < T
         # K is read transposed, (HEAD_DIM, BLOCK_N), so q @ kT needs no shuffle.
-        k = tl.load(
-            k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None], mask=in_seq[None, :], other=0.0
+        k = load_block(
+            k_ptr + offs_n[None, :] * stride_kt + offs_d[:, None], in_seq[None, :], MASKED
         )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
@@ -82,7 +89,7 @@ def fwd_block_loop(
                 keep = keep & (offs_m[:, None] >= offs_n[None, :])
             s = tl.where(keep, s, float("-inf"))
         if HAS_DOCS:
-            doc_k = tl.load(doc_ptr + offs_n, mask=in_seq)
+            doc_k = load_block(doc_ptr + offs_n, in_seq, MASKED)
             s = tl.where(doc_q[:, None] == doc_k[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # With documents a row may meet a block holding only other documents before its own:
@@ -91,8 +98,8 @@ def fwd_block_loop(
         p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + offs_n[:, None] * stride_vt + offs_d[None, :], mask=in_seq[:, None], other=0.0
+        v = load_block(
+            v_ptr + offs_n[:, None] * stride_vt + offs_d[None, :], in_seq[:, None], MASKED
         )
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
