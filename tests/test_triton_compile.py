@@ -17,7 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from llm.attention import triton_bwd, triton_configs, triton_fwd  # noqa: E402
 
-pytestmark = pytest.mark.slow  # ~60 compilations of 5-15 s each on a 2-core machine
+pytestmark = pytest.mark.slow  # 25 compilations of 5-15 s each on a 2-core machine
 
 # Shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin), in bytes.
 SHARED_MEMORY = {80: 166912, 90: 232448}
@@ -57,32 +57,40 @@ def compile_kernel(kernel, config, arch: int, dtype: str, **constexprs):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("name", list(KERNELS))
-def test_every_tuned_config_compiles_and_fits_shared_memory(name, arch):
+def _bf16_d128(kernel, config, arch):
     """Head dim 128 (the largest tiles), bf16, causal with documents (every branch)."""
+    return compile_kernel(
+        kernel, config, arch, "bf16", HEAD_DIM=128, CAUSAL=True, HAS_DOCS=True, DOT_PRECISION="tf32"
+    )
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_every_tuned_config_compiles_for_ampere_within_its_shared_memory(name):
+    """A100's shared memory is the smaller: what fits there fits an H100."""
     kernel = KERNELS[name]
-    prune = getattr(triton_configs, f"prune_{name}")
-    configs = prune(kernel.configs, {}, HEAD_DIM=128)
+    configs = getattr(triton_configs, f"prune_{name}")(kernel.configs, {}, HEAD_DIM=128)
     assert configs, "no configuration left for head dim 128"
     for config in configs:
-        compiled = compile_kernel(
-            kernel, config, arch, "bf16",
-            HEAD_DIM=128, CAUSAL=True, HAS_DOCS=True, DOT_PRECISION="tf32",
-        )  # fmt: skip
-        assert compiled.metadata.shared <= SHARED_MEMORY[arch], (config, compiled.metadata.shared)
+        shared = _bf16_d128(kernel, config, 80).metadata.shared
+        assert shared <= SHARED_MEMORY[80], (config, shared)
 
 
-@pytest.mark.parametrize(("dtype", "precision"), [("fp16", "tf32"), ("fp32", "ieee")])
-@pytest.mark.parametrize("head_dim", [32, 64])
-def test_other_dtypes_and_head_dims_compile(dtype, precision, head_dim):
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernels_compile_for_hopper(name):
+    """Hopper's code generation differs (wgmma): the first configuration of each kernel."""
+    kernel = KERNELS[name]
+    assert _bf16_d128(kernel, kernel.configs[0], 90).metadata.shared <= SHARED_MEMORY[90]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "precision"), [("fp16", 32, "tf32"), ("fp32", 64, "ieee")]
+)
+def test_other_dtypes_and_head_dims_compile(dtype, head_dim, precision):
     for kernel in KERNELS.values():
-        config = kernel.configs[0]
-        for causal, docs in ((False, False), (True, False)):
-            compile_kernel(
-                kernel, config, 90, dtype,
-                HEAD_DIM=head_dim, CAUSAL=causal, HAS_DOCS=docs, DOT_PRECISION=precision,
-            )  # fmt: skip
+        compile_kernel(
+            kernel, kernel.configs[0], 80, dtype,
+            HEAD_DIM=head_dim, CAUSAL=True, HAS_DOCS=True, DOT_PRECISION=precision,
+        )  # fmt: skip
 
 
 def test_delta_kernel_compiles():

@@ -34,7 +34,7 @@ def flash_bwd_delta_kernel(
     BLOCK_M: tl.constexpr,
 ):
     """DELTA = rowsum(dO * Out), (B, H, T) fp32: the softmax backward's per-row term; Out contiguous."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # b * stride_b can pass 2**31 elements
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m[:, None] < T
@@ -99,7 +99,7 @@ def flash_bwd_dkdv_kernel(
     """Grid (cdiv(T, BLOCK_N), B * Hkv). DK and DV share DK's strides."""
     key0 = tl.program_id(0) * BLOCK_N
     n_kv = H // N_REP
-    b = tl.program_id(1) // n_kv
+    b = (tl.program_id(1) // n_kv).to(tl.int64)  # b * stride_b can pass 2**31 elements
     hk = tl.program_id(1) % n_kv
     offs_n = key0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -206,7 +206,7 @@ def flash_bwd_dq_kernel(
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_M), B * H); walks the same key blocks as the forward kernel."""
     row0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # b * stride_b can pass 2**31 elements
     b = bh // H
     h = bh % H
     hk = h // N_REP

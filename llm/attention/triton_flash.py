@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from llm.attention.triton_function import FlashAttentionFunction
 from llm.errors import ConfigError
 
 _INSTALL = "pip install -c constraints.txt triton==3.9.0"
@@ -54,6 +55,9 @@ def triton_available() -> str | None:
     return None
 
 
+# Under torch.compile the kernel runs as it is, outside the graph (a graph break per call):
+# it is fused already, and dynamo's tracing of autotuned user kernels was not tried on a GPU.
+@torch.compiler.disable
 def flash_attention_triton(
     q: Tensor,
     k: Tensor,
@@ -74,8 +78,6 @@ def flash_attention_triton(
     _check(q, k, v, doc_ids, dropout_p)
     scale = q.size(-1) ** -0.5 if scale is None else float(scale)
     docs = _document_runs(doc_ids) if doc_ids is not None else ()
-    from llm.attention.triton_function import FlashAttentionFunction
-
     return FlashAttentionFunction.apply(q, k, v, causal, scale, *docs)
 
 

@@ -147,7 +147,7 @@ def flash_fwd_kernel(
     """Grid (cdiv(T, BLOCK_M), B * H). Q, K, V, Out: last dim contiguous. LSE (B, H, T) fp32.
     DOC, DOC_START, DOC_END: (B, T) int32 run index, run start and run end per token."""
     row0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # b * stride_b can pass 2**31 elements
     b = bh // H
     h = bh % H
     hk = h // N_REP  # GQA: query head h reads K/V head h // N_REP, never a repeated copy
