@@ -42,15 +42,15 @@ def triton_available() -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError:
-        return f"attention.backend=triton needs the triton package: {_INSTALL}"
+        return f"attention=triton needs the triton package: {_INSTALL}"
     if not torch.cuda.is_available():
-        return "attention.backend=triton needs a CUDA GPU (none found); use attention.backend=sdpa"
+        return "attention=triton needs a CUDA GPU (none found); use attention=sdpa"
     capability = torch.cuda.get_device_capability()
     if capability < TRITON_SUPPORT.min_compute_capability:
         need = ".".join(map(str, TRITON_SUPPORT.min_compute_capability))
         return (
-            f"attention.backend=triton needs compute capability {need}+ (this GPU has "
-            f"{capability[0]}.{capability[1]}); use attention.backend=sdpa"
+            f"attention=triton needs compute capability {need}+ (this GPU has "
+            f"{capability[0]}.{capability[1]}); use attention=sdpa"
         )
     return None
 
@@ -84,8 +84,8 @@ def flash_attention_triton(
 def _check(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, dropout_p: float) -> None:
     if dropout_p > 0.0:
         raise ConfigError(
-            f"attention.backend=triton has no dropout (got {dropout_p}); set attention.dropout=0 "
-            "or use attention.backend=sdpa"
+            f"attention=triton has no dropout (got {dropout_p}); set model.dropout=0 "
+            "or use attention=sdpa"
         )
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ConfigError(
@@ -106,7 +106,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, dropout_p: f
     if d not in TRITON_SUPPORT.head_dims:
         raise ConfigError(
             f"triton attention supports head dims {TRITON_SUPPORT.head_dims}, not {d}; "
-            "change model.n_embd / model.n_head or use attention.backend=sdpa"
+            "change the model's width or head count, or use attention=sdpa"
         )
     if doc_ids is not None and (
         doc_ids.shape != (b, t) or doc_ids.is_floating_point() or doc_ids.device != q.device
@@ -118,9 +118,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, dropout_p: f
     try:
         import triton
     except ImportError:
-        raise ConfigError(
-            f"attention.backend=triton needs the triton package: {_INSTALL}"
-        ) from None
+        raise ConfigError(f"attention=triton needs the triton package: {_INSTALL}") from None
     interpreted = (
         triton.knobs.runtime.interpret and q.device.type in TRITON_SUPPORT.interpreter_devices
     )
