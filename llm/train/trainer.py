@@ -288,6 +288,12 @@ class Trainer:
         last = t.stop_at_step or t.max_steps
         if note := warmup_note(self.cfg.scheduler, t.max_steps):
             self.logger.info(note)
+        if t.compile and t.memory_tracking != "off":
+            # The tracker's dispatch mode makes Dynamo fall back to eager for those steps.
+            self.logger.info(
+                f"train.compile=true: steps the peak tracker measures (train.memory_tracking="
+                f"{t.memory_tracking}) run eagerly; train.memory_tracking=off compiles every step"
+            )
         self.model.train()
         with StopRequested() as stop:
             while self.state.step < last:
