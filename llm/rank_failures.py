@@ -17,9 +17,14 @@ def record_rank_failure(directory: Path, rank: int, line: str, trace: str | None
 
 
 def rank_failure(directory: Path, rank: int, exit_code: int, signal_name: str | None) -> str:
-    """One line for the first rank failure recorded in ``directory``; without a record,
-    what the exit of ``rank`` says."""
-    reports = sorted(directory.glob("rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
+    """One line for the failure that stopped the run. ``rank`` is the first one the
+    launcher saw exit: when a signal killed it (not our SIGTERM) and it left no record, that
+    is the cause, and other ranks' records are about losing it; else the earliest record in
+    ``directory``; else what the exit says."""
+    killed = signal_name not in (None, "SIGTERM") and not (directory / f"rank{rank}.txt").exists()
+    reports = (
+        [] if killed else sorted(directory.glob("rank*.txt"), key=lambda p: p.stat().st_mtime_ns)
+    )
     if reports:
         first = reports[0]
         line, _, trace = first.read_text().partition("\n")

@@ -107,11 +107,7 @@ class Checkpointer:
         if outcome is None:
             return final
         full, message = outcome
-        if full:
-            raise DiskFullError(message) from error
-        if error is not None:
-            raise error
-        raise CheckpointError(message)
+        raise (DiskFullError if full else CheckpointError)(message) from error
 
     def _check_room(self, state: dict) -> int:
         """The bytes a checkpoint needs (the newest one's size, else the state's tensors);
@@ -158,7 +154,11 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             return (True, self._no_space(need)), error
-        return (False, f"writing checkpoint {final} failed: {failed}"), error
+        return (
+            False,
+            f"writing checkpoint {final} failed ({failed}); the earlier checkpoints are kept: "
+            "fix the cause and run the same command to resume",
+        ), error
 
     def _no_space(self, need: int) -> str:
         kept = list_checkpoints(self.directory)
