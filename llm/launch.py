@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from traceback import format_exc
 
@@ -173,29 +174,35 @@ def launch(cfg: Config) -> dict:
     return summary
 
 
-def _spawn(cfg: Config, n: int) -> dict:
+def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | None = None) -> dict:
+    """Run ``rank_main`` (llm.run.main; tests pass a stand-in, importable by name) on ``n``
+    spawned ranks and return rank 0's summary. Forwards SIGTERM and SIGINT to the ranks as
+    SIGTERM and waits for them; a failed rank is reported by its own line."""
     # A fresh port per job: under -m, consecutive jobs in one process must not collide.
     port = cfg.launcher.master_port or free_port()
     errors = Path(cfg.output_dir) / ERRORS_DIR
     shutil.rmtree(errors, ignore_errors=True)  # left by an earlier failed run in this dir
-    context = mp.start_processes(
-        _rank_entry,
-        args=(cfg, n, cfg.launcher.master_addr, port),
-        nprocs=n,
-        join=False,
-        start_method="spawn",
-    )
-    interrupted = []
+    contexts, interrupted = [], []
 
     def stop_ranks(signum, frame) -> None:
         # Slurm signals the launcher (SIGTERM), Ctrl-C the whole process group (SIGINT):
         # ranks hear SIGTERM either way, checkpoint and stop; we wait for them.
         if signum == signal.SIGINT:
             interrupted.append(signum)
-        _forward(context, signal.SIGTERM)
+        for context in contexts:
+            _forward(context, signal.SIGTERM)
 
+    # Installed first: a Ctrl-C while ranks start must not end the launcher alone.
     previous = {sig: signal.signal(sig, stop_ranks) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        context = mp.start_processes(
+            _rank_entry,
+            args=(cfg, n, cfg.launcher.master_addr, port, rank_main),
+            nprocs=n,
+            join=False,
+            start_method="spawn",
+        )
+        contexts.append(context)
         while not context.join():
             pass
     except mp.ProcessExitedException as exc:
@@ -231,13 +238,15 @@ def _read_summary(cfg: Config) -> dict:
     return json.loads((Path(cfg.output_dir) / "summary.json").read_text())
 
 
-def _rank_entry(local_rank: int, cfg: Config, world_size: int, addr: str, port: int) -> None:
+def _rank_entry(
+    local_rank: int, cfg: Config, world_size: int, addr: str, port: int, rank_main=None
+) -> None:
     from llm import run
 
     env = RankEnv(local_rank, local_rank, world_size, addr, port)
     export_local_rank(env)
     try:
-        run.main(cfg, env)
+        (rank_main or run.main)(cfg, env)
     except (SystemExit, KeyboardInterrupt):
         raise
     except LabError as exc:
