@@ -241,12 +241,14 @@ def _read_summary(cfg: Config) -> dict:
 def _rank_entry(
     local_rank: int, cfg: Config, world_size: int, addr: str, port: int, rank_main=None
 ) -> None:
-    from llm import run
+    if rank_main is None:
+        from llm import run
 
+        rank_main = run.main
     env = RankEnv(local_rank, local_rank, world_size, addr, port)
     export_local_rank(env)
     try:
-        (rank_main or run.main)(cfg, env)
+        rank_main(cfg, env)
     except (SystemExit, KeyboardInterrupt):
         raise
     except LabError as exc:
