@@ -340,8 +340,8 @@ def test_disk_full_mid_write(run_copy, text_corpus, cache_dir, monkeypatch):
 
     real_save = dcp.save
 
-    def save_until_full(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)  # a partial write takes up space
+    def save_until_full(*args, **kwargs):
+        real_save(*args, **kwargs)  # a partial write takes up space
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint_module.dcp, "save", save_until_full)
@@ -458,21 +458,42 @@ def test_ctrl_c_waits_for_the_ranks_checkpoint(tmp_path):
 
     from llm.launch import _spawn
 
+    done = threading.Event()
+
     def press_ctrl_c():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not all(
-            (tmp_path / f"ready{r}").exists() for r in (0, 1)
-        ):
-            time.sleep(0.05)
+        ready = [tmp_path / f"ready{r}" for r in (0, 1)]
+        while not all(p.exists() for p in ready):
+            if done.wait(0.05):
+                return  # the launcher ended without its ranks: nothing to interrupt
         os.kill(os.getpid(), signal.SIGINT)
 
     presser = threading.Thread(target=press_ctrl_c)
     presser.start()
-    with pytest.raises(LabError, match="interrupted \\(Ctrl-C\\); the newest checkpoint is") as err:
-        _spawn(stub_config(tmp_path), 2, rank_stubs.checkpoints_on_sigterm)
-    presser.join()
+    try:
+        with pytest.raises(
+            LabError, match=r"interrupted \(Ctrl-C\); the newest checkpoint is"
+        ) as err:
+            _spawn(stub_config(tmp_path), 2, rank_stubs.checkpoints_on_sigterm)
+    finally:
+        done.set()
+        presser.join()
     assert err.value.exit_code == 130
     assert str(tmp_path / "checkpoints/step_000003") in one_line(err)
+
+
+def test_ctrl_c_on_one_rank_ends_the_same_way(tmp_path, text_corpus, cache_dir, monkeypatch):
+    """stopped: interrupted (Ctrl-C) before any checkpoint was written; nothing to resume"""
+    from llm import run
+    from llm.train.stop import StopRequested
+
+    with StopRequested() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+    assert stop.requested and stop.signal == "SIGINT"  # the Trainer's summary carries it
+    monkeypatch.setattr(run, "main", lambda cfg, env: {"stop_signal": "SIGINT"})
+    cfg = compose_config(small_run_overrides(tmp_path / "run", text_corpus, cache_dir))
+    with pytest.raises(LabError, match=r"interrupted \(Ctrl-C\) before any checkpoint") as err:
+        launch(cfg)
+    assert err.value.exit_code == 130
 
 
 def test_a_failing_rank_shows_its_own_error(tmp_path):
