@@ -42,11 +42,15 @@ def says_no_space(exc: BaseException | None) -> bool:
     return False
 
 
-def no_space_message(directory: Path, need_bytes: int | None, what: str) -> str:
-    """One line: where, how much is free, how much ``what`` needs, and the fix."""
-    free = free_bytes(directory) / MB
-    need = "" if need_bytes is None else f", {what} needs about {need_bytes / MB:.0f} MB"
+def no_space_message(directory: Path, what: str, need_bytes: int | None = None) -> str:
+    """One line: where, how much is free, what was being written (and how much it needs
+    when known), and the fix."""
+    free = f"{free_bytes(directory) / MB:.0f} MB free"
+    if need_bytes is None:
+        where = f"({free}) for {what}"
+    else:
+        where = f"({free}, {what} needs about {need_bytes / MB:.0f} MB)"
     return (
-        f"no space left on {directory} ({free:.0f} MB free{need}); free space there or point "
-        "hydra.run.dir at a disk with room, then run the same command to resume"
+        f"no space left on {directory} {where}; free space there or point hydra.run.dir at a "
+        "disk with room, then run the same command to resume"
     )

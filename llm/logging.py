@@ -189,7 +189,7 @@ class RunLogger:
             if not says_no_space(exc):
                 raise
             self._disk_full = True
-            raise DiskFullError(no_space_message(self.output_dir, None, what)) from None
+            raise DiskFullError(no_space_message(self.output_dir, what)) from None
 
     def close(self) -> None:
         if self.progress is not None:

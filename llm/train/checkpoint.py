@@ -163,7 +163,7 @@ class Checkpointer:
     def _no_space(self, need: int) -> str:
         kept = list_checkpoints(self.directory)
         note = f" (the newest checkpoint, {kept[-1].name}, is kept)" if kept else ""
-        return no_space_message(self.directory, need, "a checkpoint") + note
+        return no_space_message(self.directory, "a checkpoint", need) + note
 
     @staticmethod
     def _replace(tmp: Path, final: Path) -> None:

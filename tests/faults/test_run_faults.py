@@ -22,8 +22,8 @@ from llm.launch import launch
 
 
 def test_disk_full_in_the_metrics_writer(tmp_path):
-    """error: no space left on DIR (N MB free); free space there or point hydra.run.dir at a
-    disk with room, then run the same command to resume"""
+    """error: no space left on DIR (N MB free) for metrics.jsonl; free space there or point
+    hydra.run.dir at a disk with room, then run the same command to resume"""
     from llm.config import LoggerConfig
     from llm.logging import RunLogger
 
@@ -39,7 +39,9 @@ def test_disk_full_in_the_metrics_writer(tmp_path):
             raise OSError(errno.ENOSPC, "No space left on device")
 
     logger.metrics_file = FullFile()
-    with pytest.raises(LabError, match=rf"no space left on {tmp_path} \(\d+ MB free") as err:
+    with pytest.raises(
+        LabError, match=rf"no space left on {tmp_path} \(\d+ MB free\) for metrics\.jsonl"
+    ) as err:
         logger.log(1, {"loss": 1.0})
     assert err.value.__cause__ is None and err.value.__context__ is not None
     one_line(err)
@@ -225,3 +227,19 @@ def test_a_rank_killed_by_a_signal_is_named(tmp_path):
     message = rank_failure(tmp_path, 1, -9, "SIGKILL")
     assert message.startswith("rank 1 was killed by SIGKILL") and "dmesg" in message
     assert rank_failure(tmp_path, 0, 1, None).startswith("rank 0 failed: DistBackendError")
+
+
+def test_torchrun_error_file_carries_the_line(tmp_path):
+    """(torchrun's failure report) error_file: {"message": {"message": "ConfigError:
+    data.seq_len=100000 exceeds model gpt2-mini's max_seq_len=512; ..."}}"""
+    import json
+
+    error_file = tmp_path / "error.json"
+    result = train_cli(
+        ["data.seq_len=100000", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env_extra={"TORCHELASTIC_ERROR_FILE": str(error_file)},
+    )
+    assert result.returncode == 1
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message.startswith("ConfigError: data.seq_len=100000 exceeds model")
