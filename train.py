@@ -13,14 +13,16 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from llm.config import register_configs, to_dataclass
-from llm.errors import LabError
+from llm.errors import Interrupted, LabError
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@record  # under torchrun, a rank's traceback reaches torchrun's failure report
 def main(dict_cfg: DictConfig) -> float | None:
     from llm.launch import external_rank_env, launch
     from llm.validate import validate
@@ -35,8 +37,12 @@ def main(dict_cfg: DictConfig) -> float | None:
         validate(cfg, world_size=env.world_size if env else None)
         summary = launch(cfg)
     except LabError as exc:
-        # One line naming the problem and the fix, not a traceback.
-        raise SystemExit(f"error: {exc}") from None
+        # One line naming the problem and the fix, not a traceback; torchrun's report
+        # shows the same line (its error file).
+        get_error_handler().record_exception(exc)
+        label = "stopped" if isinstance(exc, Interrupted) else "error"
+        print(f"{label}: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
     # Returned for sweepers (e.g. Optuna) that minimise the objective.
     return summary.get("final_val_loss")
 

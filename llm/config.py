@@ -7,6 +7,9 @@ the fix, before any rank starts. Cross-group checks live in :func:`validate`.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -334,6 +337,10 @@ class LauncherConfig:
     backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free port is picked per job (safe for -m sweeps)
+    # CPU ranks beyond the cores this process may use are warned about, and beyond 4 per
+    # core refused (each rank holds a whole model and they fight for the cores), unless
+    # this says it is meant (llm/validate.py).
+    allow_oversubscribe: bool = False
 
     def __post_init__(self) -> None:
         _require_positive("launcher", nproc_per_node=self.nproc_per_node)
@@ -429,18 +436,58 @@ GROUPS: dict[str, type] = {
 
 
 def register_configs() -> None:
-    """Register the root schema and one schema per group, so every YAML is type-checked."""
+    """Register the root schema and one schema per group, so every YAML is type-checked.
+
+    Group schemas sit at the top level (``/model_schema``, pulled in by each option's
+    defaults as ``/model_schema@_here_``), not inside their group: there Hydra would offer
+    ``model=model_schema`` as an option, which runs the dataclass defaults."""
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for group, schema in GROUPS.items():
-        cs.store(group=group, name=f"{group}_schema", node=schema)
+        cs.store(name=f"{group}_schema", node=schema)
+
+
+def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` (a DictConfig or dict) that ``schema`` does not declare, at
+    any depth of nested dataclasses."""
+    hints = typing.get_type_hints(schema)
+    found = []
+    for key in node:
+        name = f"{prefix}{key}"
+        if key not in hints:
+            found.append(name)
+        elif dataclasses.is_dataclass(hints[key]) and hasattr(node[key], "keys"):
+            found.extend(unknown_keys(node[key], hints[key], f"{name}."))
+    return found
+
+
+def _refuse_unknown_keys(cfg: Any) -> None:
+    # Hydra's `+key=value` adds a key to a typed node, and OmegaConf.to_object keeps it as
+    # a stray attribute: a typo like +train.max_stepz=5 would be silently ignored.
+    unknown = unknown_keys(cfg, Config)
+    if not unknown:
+        return
+    key = unknown[0]
+    parent, _, leaf = key.rpartition(".")
+    schema = Config
+    for part in filter(None, parent.split(".")):
+        schema = typing.get_type_hints(schema)[part]
+    known = [f.name for f in dataclasses.fields(schema)]
+    close = difflib.get_close_matches(leaf, known, n=1)
+    hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+    raise ConfigError(
+        f"{key} is not a config key; {hint}remove it or fix its name "
+        f"(keys of {parent or 'the root'}: {', '.join(known)})"
+    )
 
 
 def to_dataclass(cfg: Any) -> Config:
-    """Turn a resolved DictConfig into a Config; the __post_init__ checks run here."""
+    """Turn a resolved DictConfig into a Config; unknown keys are refused and the
+    __post_init__ checks run here."""
     from omegaconf import OmegaConf
 
+    _refuse_unknown_keys(cfg)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
 
 
-__all__ = ["GROUPS", "MISSING", "Config", "register_configs", "to_dataclass"]
+__all__ = ["GROUPS", "MISSING", "Config", "register_configs", "to_dataclass", "unknown_keys"]

@@ -62,3 +62,7 @@ def barrier() -> None:
 
 def global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def global_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1

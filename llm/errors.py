@@ -4,6 +4,8 @@
 class LabError(Exception):
     """Base of our one-line errors: entry points print them without a traceback."""
 
+    exit_code = 1  # what train.py exits with
+
 
 class ConfigError(LabError, ValueError):
     """An impossible or inconsistent configuration, found before any work starts."""
@@ -19,3 +21,13 @@ class CheckpointError(LabError, RuntimeError):
 
 class TrainingError(LabError, RuntimeError):
     """Training cannot go on (a NaN loss, say); the message says why and what to change."""
+
+
+class DiskFullError(LabError, OSError):
+    """The run's disk is full; the message names the directory, free and needed megabytes."""
+
+
+class Interrupted(LabError):
+    """Ctrl-C stopped the run after its ranks checkpointed; the shell's code for SIGINT."""
+
+    exit_code = 130

@@ -13,13 +13,19 @@ import shutil
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from traceback import format_exc
 
 import torch.multiprocessing as mp
 
 from llm.config import Config
 from llm.dist import RankEnv
-from llm.errors import LabError, TrainingError
+from llm.errors import Interrupted, LabError, TrainingError
+from llm.rank_failures import rank_failure, record_rank_failure
+from llm.run_dir_lock import RunDirLock
+from llm.train.checkpoint import describe
+from llm.train.checkpoint_files import list_checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 ERRORS_DIR = ".rank_errors"
@@ -140,7 +146,8 @@ def prepare_for_ranks(cfg: Config) -> Config:
 
 def launch(cfg: Config) -> dict:
     """Run training: in this process when a launcher made it a rank (or for one rank),
-    else by spawning local ranks. Returns the run summary."""
+    else by spawning local ranks. Returns the run summary; raises Interrupted after a
+    Ctrl-C, once the ranks have checkpointed."""
     from llm import run
     from llm.data import prepare_data
 
@@ -148,64 +155,107 @@ def launch(cfg: Config) -> dict:
     cfg = prepare_for_ranks(cfg)
     env = external_rank_env()
     if env is not None:
-        return run.main(cfg, env)
-    # Tokenizer training and tokenising happen once here, not once per rank.
-    prepare_data(cfg.data)
-    n = cfg.launcher.nproc_per_node
-    if n == 1:
-        env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port())
-        export_local_rank(env)
-        return run.main(cfg, env)
-    return _spawn(cfg, n)
+        summary = run.main(cfg, env, lock_run_dir=True)
+    else:
+        # Taken before any work, held until the ranks are done; the kernel frees it if
+        # this process dies.
+        with RunDirLock(Path(cfg.output_dir)):
+            # Tokenizer training and tokenising happen once here, not once per rank.
+            prepare_data(cfg.data)
+            n = cfg.launcher.nproc_per_node
+            if n == 1:
+                env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port())
+                export_local_rank(env)
+                summary = run.main(cfg, env)
+            else:
+                summary = _spawn(cfg, n)
+    if summary.get("stop_signal") == "SIGINT":
+        raise Interrupted(_interrupted(cfg))
+    return summary
 
 
-def _spawn(cfg: Config, n: int) -> dict:
+def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | None = None) -> dict:
+    """Run ``rank_main`` (llm.run.main; tests pass a stand-in, importable by name) on ``n``
+    spawned ranks and return rank 0's summary. Forwards SIGTERM and SIGINT to the ranks as
+    SIGTERM and waits for them; a failed rank is reported by its own line."""
     # A fresh port per job: under -m, consecutive jobs in one process must not collide.
     port = cfg.launcher.master_port or free_port()
     errors = Path(cfg.output_dir) / ERRORS_DIR
     shutil.rmtree(errors, ignore_errors=True)  # left by an earlier failed run in this dir
-    context = mp.start_processes(
-        _rank_entry,
-        args=(cfg, n, cfg.launcher.master_addr, port),
-        nprocs=n,
-        join=False,
-        start_method="spawn",
-    )
-    previous = signal.signal(signal.SIGTERM, lambda *_: _forward(context, signal.SIGTERM))
+    contexts, interrupted = [], []
+
+    def stop_ranks(signum, frame) -> None:
+        # Slurm signals the launcher (SIGTERM), Ctrl-C the whole process group (SIGINT):
+        # ranks hear SIGTERM either way, checkpoint and stop; we wait for them.
+        if signum == signal.SIGINT:
+            interrupted.append(signum)
+        for context in contexts:
+            _forward(context, signal.SIGTERM)
+
+    # Installed first: a Ctrl-C while ranks start must not end the launcher alone.
+    previous = {sig: signal.signal(sig, stop_ranks) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        context = mp.start_processes(
+            _rank_entry,
+            args=(cfg, n, cfg.launcher.master_addr, port, rank_main),
+            nprocs=n,
+            join=False,
+            start_method="spawn",
+        )
+        contexts.append(context)
         while not context.join():
             pass
     except mp.ProcessExitedException as exc:
-        messages = sorted(errors.glob("rank*.txt")) if errors.is_dir() else []
-        if messages:
-            raise TrainingError(messages[0].read_text().strip()) from None
-        raise TrainingError(f"rank {exc.error_index} exited with code {exc.exit_code}") from exc
+        failure = rank_failure(errors, exc.error_index, exc.exit_code, exc.signal_name)
+        if interrupted:
+            raise Interrupted(f"{_interrupted(cfg)}; while stopping, {failure}") from None
+        raise TrainingError(failure) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if interrupted:
+        raise Interrupted(_interrupted(cfg))
     return _read_summary(cfg)
 
 
 def _forward(context, sig) -> None:
-    # Slurm signals the launcher; ranks must hear it too to checkpoint before the kill.
     for process in context.processes:
         if process.is_alive():
             os.kill(process.pid, sig)
+
+
+def _interrupted(cfg: Config) -> str:
+    found = list_checkpoints(Path(cfg.output_dir) / "checkpoints")
+    if not found:
+        return "interrupted (Ctrl-C) before any checkpoint was written; nothing to resume"
+    return (
+        f"interrupted (Ctrl-C); the newest checkpoint is {found[-1]}: run the same command "
+        "to resume from it"
+    )
 
 
 def _read_summary(cfg: Config) -> dict:
     return json.loads((Path(cfg.output_dir) / "summary.json").read_text())
 
 
-def _rank_entry(local_rank: int, cfg: Config, world_size: int, addr: str, port: int) -> None:
-    from llm import run
+def _rank_entry(
+    local_rank: int, cfg: Config, world_size: int, addr: str, port: int, rank_main=None
+) -> None:
+    if rank_main is None:
+        from llm import run
 
+        rank_main = run.main
     env = RankEnv(local_rank, local_rank, world_size, addr, port)
     export_local_rank(env)
     try:
-        run.main(cfg, env)
+        rank_main(cfg, env)
+    except (SystemExit, KeyboardInterrupt):
+        raise
     except LabError as exc:
         # Our errors are one line for the user; the parent re-raises the first one.
-        errors = Path(cfg.output_dir) / ERRORS_DIR
-        errors.mkdir(parents=True, exist_ok=True)
-        (errors / f"rank{local_rank}.txt").write_text(str(exc))
+        record_rank_failure(Path(cfg.output_dir) / ERRORS_DIR, local_rank, str(exc))
         raise SystemExit(2) from None
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        text = f"rank {local_rank} failed: {describe(exc)}"
+        record_rank_failure(Path(cfg.output_dir) / ERRORS_DIR, local_rank, text, format_exc())
+        raise SystemExit(1) from None

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from llm.config import LoggerConfig
+from llm.disk import no_space_message, says_no_space
+from llm.errors import DiskFullError
+
+ROLLED_BACK_METRICS = "metrics.rolled_back.jsonl"
 
 
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -31,6 +38,14 @@ def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         elif value is not None:
             flat[name] = value
     return flat
+
+
+def _step_of_row(line: str) -> float:
+    """A metrics.jsonl row's step; a torn row (a kill mid-write) counts as after any step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -54,6 +69,7 @@ class RunLogger:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(self.output_dir / "metrics.jsonl", "a")  # noqa: SIM115
+        self._disk_full = False
         self.console = console or Console(stderr=True)
         self.max_steps = max_steps
         self.wandb_run = self._init_wandb(cfg, run_config, run_name, group)
@@ -103,11 +119,34 @@ class RunLogger:
             fields["tps"] = f"{tokens_per_sec:,.0f}"
         self.progress.update(self._task, completed=step, **fields)
 
+    def start_at(self, step: int) -> None:
+        """This invocation continues from ``step`` (0: a fresh start). Rows of later steps,
+        left by an invocation that got further (it crashed after its last checkpoint, or
+        this one resumes from an older checkpoint), move to metrics.rolled_back.jsonl, and
+        an earlier invocation's summary.json to summary.previous.json: every consumer then
+        sees each step once, and no summary that is not this invocation's."""
+        path = self.output_dir / "metrics.jsonl"
+        self.metrics_file.close()
+        kept, rolled = [], []
+        for line in path.read_text().splitlines(keepends=True):
+            (kept if _step_of_row(line) <= step else rolled).append(line)
+        if rolled:
+            with open(self.output_dir / ROLLED_BACK_METRICS, "a") as side:
+                side.writelines(rolled)
+            tmp = path.with_name(f"{path.name}.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+        self.metrics_file = open(path, "a")  # noqa: SIM115
+        summary = self.output_dir / "summary.json"
+        if summary.exists():
+            os.replace(summary, self.output_dir / "summary.previous.json")
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time()}
         record.update({k: _finite_or_none(v) for k, v in metrics.items()})
-        self.metrics_file.write(json.dumps(record) + "\n")
-        self.metrics_file.flush()
+        with self._disk_full_named("metrics.jsonl"):
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(flatten(metrics), step=step)
         if self.progress is None:
@@ -131,7 +170,10 @@ class RunLogger:
         if self.wandb_run is not None:
             run = self.wandb_run
             summary = {**summary, "wandb": {"id": run.id, "group": run.group, "dir": run.dir}}
-        with open(self.output_dir / "summary.json", "w") as f:
+        with (
+            self._disk_full_named("summary.json"),
+            open(self.output_dir / "summary.json", "w") as f,
+        ):
             json.dump({k: _finite_or_none(v) for k, v in summary.items()}, f, indent=2)
         if self.wandb_run is not None:
             flat = flatten(summary)
@@ -139,16 +181,33 @@ class RunLogger:
                 {k: v for k, v in flat.items() if isinstance(v, int | float | str)}
             )
 
+    @contextmanager
+    def _disk_full_named(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            if not says_no_space(exc):
+                raise
+            self._disk_full = True
+            raise DiskFullError(no_space_message(self.output_dir, what)) from None
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-        self.metrics_file.close()
+        try:
+            self.metrics_file.close()
+        except OSError:
+            # Closing flushes what a full disk already refused; that error was reported.
+            if not self._disk_full:
+                raise
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
 
 class NullLogger:
     """What ranks other than 0 log with."""
+
+    def start_at(self, step: int) -> None: ...
 
     def advance(self, *args, **kwargs) -> None: ...
 

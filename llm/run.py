@@ -37,6 +37,7 @@ from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import apply_precision, build_loss_scaler, resolve_precision
 from llm.recompute import apply_recompute
+from llm.run_dir_lock import RunDirLock
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import peak_flops
 from llm.train.trainer import Trainer
@@ -103,8 +104,10 @@ def build_model_for(cfg: Config, vocab_size: int) -> tuple[Transformer, WeightSo
     return model, weights
 
 
-def main(cfg: Config, env: RankEnv) -> dict:
-    """Run training on this rank; every rank returns the same summary."""
+def main(cfg: Config, env: RankEnv, lock_run_dir: bool = False) -> dict:
+    """Run training on this rank; every rank returns the same summary. ``lock_run_dir``:
+    rank 0 takes the run-directory lock (under torchrun / Slurm, where no launcher of ours
+    holds it), and every rank refuses if it is taken."""
     device = resolve_device(cfg)
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
@@ -119,12 +122,28 @@ def main(cfg: Config, env: RankEnv) -> dict:
         dist.broadcast_object_list(shared, src=0)
         cfg = dataclasses.replace(cfg, output_dir=shared[0])
     tracker = PeakTracker(device, cfg.train.memory_tracking)
+    lock = RunDirLock(Path(cfg.output_dir))
     try:
+        if lock_run_dir:
+            _lock_on_rank0(lock, env)
         return _train(cfg, env, device, tracker)
     finally:
+        lock.release()
         tracker.end()  # a start-up that raised leaves its window open
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _lock_on_rank0(lock: RunDirLock, env: RankEnv) -> None:
+    refusal = None
+    if env.rank == 0:
+        try:
+            lock.acquire()
+        except ConfigError as exc:
+            refusal = str(exc)
+    refusal = gather_object(refusal)[0]  # every rank stops, not only rank 0
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker) -> dict:

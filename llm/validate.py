@@ -6,6 +6,8 @@ checks live in the dataclasses' ``__post_init__`` (llm/config.py).
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import torch
@@ -15,6 +17,12 @@ from llm.config import Config
 from llm.errors import ConfigError
 from llm.models import HFSource, ModelArgs, build_model, freeze, model_args
 from llm.precision import resolve_precision
+from llm.train.checkpoint_files import META, list_checkpoints, step_of
+
+log = logging.getLogger(__name__)
+# Local CPU ranks per usable core beyond which a run is refused without
+# launcher.allow_oversubscribe=true: 64 ranks on 2 cores took 4 minutes to step 1 and 16 GB.
+RANKS_PER_CORE_LIMIT = 4
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -69,12 +77,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"parallelism=single runs one process but {nproc} ranks were asked for; "
             "use parallelism=ddp or launcher.nproc_per_node=1"
         )
+    if device.type == "cpu" and world_size is None:
+        _check_cpu_ranks(nproc, cfg.launcher.allow_oversubscribe)
     _validate_strategy(cfg, nproc, precision, device)
-    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).exists():
-        raise ConfigError(
-            f"checkpoint.resume={cfg.checkpoint.resume} does not exist; give an existing "
-            "checkpoint directory, or auto / none"
-        )
+    if cfg.checkpoint.resume not in ("auto", "none"):
+        _check_resume_path(Path(cfg.checkpoint.resume))
     if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_dir():
         raise ConfigError(
             f"model.init_from={cfg.model.init_from} is not a directory; give a local Hugging "
@@ -107,6 +114,20 @@ def _validate_attention(cfg: Config, args: ModelArgs, dtype: torch.dtype, device
     )
 
 
+def _check_resume_path(path: Path) -> None:
+    if not path.exists():
+        raise ConfigError(
+            f"checkpoint.resume={path} does not exist; give an existing checkpoint directory, "
+            "or auto / none"
+        )
+    one = (path / META).is_file() or step_of(path) >= 0
+    if not (one or list_checkpoints(path) or list_checkpoints(path / "checkpoints")):
+        raise ConfigError(
+            f"checkpoint.resume={path} holds no checkpoint; give a checkpoint folder (step_N, "
+            "with meta.json), a run directory or its checkpoints/ folder, or auto / none"
+        )
+
+
 def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device) -> None:
     name = cfg.parallelism.name
     dp = nproc if cfg.parallelism.dp_size == -1 else cfg.parallelism.dp_size
@@ -124,3 +145,28 @@ def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device)
             "hooks free and refill parameter storage; untested under compile); use "
             "train.compile=false, or parallelism=fsdp"
         )
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask: taskset, cgroups, Slurm), not the
+    machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _check_cpu_ranks(nproc: int, allowed: bool) -> None:
+    cores = usable_cores()
+    if nproc <= cores:
+        return
+    if nproc > RANKS_PER_CORE_LIMIT * cores and not allowed:
+        raise ConfigError(
+            f"launcher.nproc_per_node={nproc} CPU ranks on {cores} usable core(s) would crawl "
+            f"(each rank holds a model and they share the cores); use at most {cores} ranks, "
+            "or insist with launcher.allow_oversubscribe=true"
+        )
+    log.warning(
+        "launcher.nproc_per_node=%d CPU ranks share %d usable core(s): expect slow steps",
+        nproc,
+        cores,
+    )

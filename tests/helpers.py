@@ -84,3 +84,10 @@ def assert_close_weights(a, b, rtol, atol):
     assert a.keys() == b.keys() and a
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)
+
+
+def one_line(exc_info) -> str:
+    """The message of a raised error (a pytest.ExceptionInfo), checked to be one line."""
+    message = str(exc_info.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message

@@ -42,7 +42,7 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, text_corpus, cache_dir
 
     monkeypatch.setattr(checkpoint_module.dcp, "save", failing_save)
     cfg = compose_config(overrides(out, text_corpus, cache_dir, "train.max_steps=4"))
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="disk full"):
         launch(cfg)
     # The half-written step 4 never became a checkpoint; step 2 is whole and resumable.
     assert [p for p in steps_on_disk(out) if not p.startswith(".")] == ["step_000002"]
@@ -57,7 +57,9 @@ def test_corrupt_checkpoint_names_the_previous_one(tmp_path, text_corpus, cache_
     newest = out / "checkpoints/step_000004"
     data_file = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated: a torn copy
-    resume = overrides(out, text_corpus, cache_dir, "train.max_steps=6", "checkpoint.resume=auto")
+    resume = overrides(
+        out, text_corpus, cache_dir, "train.max_steps=6", f"checkpoint.resume={newest}"
+    )
     with pytest.raises(CheckpointError, match="step_000002") as err:
         launch(compose_config(resume))
     assert "corrupt" in str(err.value) and "\n" not in str(err.value)

@@ -17,8 +17,8 @@ from llm.launch import strip_launcher_args
 REPO = Path(__file__).resolve().parent.parent
 
 
-def train_cli(args, cwd, timeout=600, **popen):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def train_cli(args, cwd, timeout=600, env_extra=None, **popen):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     cmd = [sys.executable, str(REPO / "train.py"), *args]
     if popen:
         return subprocess.Popen(cmd, cwd=cwd, env=env, text=True, **popen)

@@ -1,23 +1,28 @@
 """Token caches: each split tokenised once into a flat memmap plus document offsets.
 
-Layout under data.cache_dir: tokens/<corpus>-<corpus digest>-<tokenizer digest>/
-<split>.bin (raw uint16 or uint32) and <split>.offsets.npy (int64, n_documents + 1). Both
-files are written to unique temporary names and moved into place with os.replace, the
-offsets last: they are the mark of a complete cache. Two processes preparing at once
-write identical bytes, so whichever replace lands last leaves the same valid pair.
+Layout under data.cache_dir: tokens/<corpus>-<format>-<corpus digest>-<tokenizer digest>/
+<split>.bin (raw uint16 or uint32), <split>.offsets.npy (int64, n_documents + 1) and
+<split>.sums.json (each file's size and checksum). All three are written to unique
+temporary names and moved into place with os.replace, the sums last: they are the mark of a
+complete cache. Two processes preparing at once write identical bytes, so whichever
+replace lands last leaves the same valid set. A cache whose files do not match its sums
+(a torn copy, a bad disk) is reported in one line and rebuilt.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from llm.checksum import file_record, mismatch
 from llm.data.corpora import Corpus
 from llm.data.dataset import TokenDataset
 from llm.data.tokenizer import Tokenizer
@@ -25,7 +30,7 @@ from llm.errors import DataError
 
 log = logging.getLogger(__name__)
 
-FORMAT = "v1"  # bump when the layout or the document rules below change
+FORMAT = "v2"  # bump when the layout or the document rules below change
 BATCH_CHARS = 4_000_000  # text per encode_batch call: enough to keep every core busy
 
 
@@ -58,14 +63,26 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
 
 
-def write_tokens(
-    documents: Iterable[str], tokenizer: Tokenizer, bin_path: Path, offsets_path: Path
-) -> None:
+class CachePaths(NamedTuple):
+    bin: Path
+    offsets: Path
+    sums: Path
+
+    @classmethod
+    def of(cls, directory: Path, split: str) -> CachePaths:
+        return cls(
+            directory / f"{split}.bin",
+            directory / f"{split}.offsets.npy",
+            directory / f"{split}.sums.json",
+        )
+
+
+def write_tokens(documents: Iterable[str], tokenizer: Tokenizer, paths: CachePaths) -> None:
     dtype = token_dtype(tokenizer.vocab_size)
     lengths: list[int] = []
-    tmp_bin, tmp_offsets = _tmp(bin_path), _tmp(offsets_path)
+    tmp = CachePaths(*(_tmp(p) for p in paths))
     try:
-        with tmp_bin.open("wb") as f:
+        with tmp.bin.open("wb") as f:
             for texts in text_batches(documents):
                 docs = [np.array(ids, dtype=dtype) for ids in tokenizer.encode_batch(texts)]
                 eos = np.array([tokenizer.eos_id], dtype=dtype)
@@ -73,38 +90,54 @@ def write_tokens(
                 lengths.extend(len(d) + 1 for d in docs)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        with tmp_offsets.open("wb") as f:
+        with tmp.offsets.open("wb") as f:
             np.save(f, offsets)
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_offsets, offsets_path)
+        sums = {"bin": file_record(tmp.bin), "offsets": file_record(tmp.offsets)}
+        tmp.sums.write_text(json.dumps(sums))
+        os.replace(tmp.bin, paths.bin)
+        os.replace(tmp.offsets, paths.offsets)
+        os.replace(tmp.sums, paths.sums)
     finally:
-        tmp_bin.unlink(missing_ok=True)
-        tmp_offsets.unlink(missing_ok=True)
+        for p in tmp:
+            p.unlink(missing_ok=True)
 
 
-def load_tokens(bin_path: Path, offsets_path: Path, tokenizer: Tokenizer) -> TokenDataset | None:
-    """The cached split, or None when it is missing or does not match its offsets."""
-    if not offsets_path.exists() or not bin_path.exists():
+def corruption(paths: CachePaths) -> str | None:
+    """Why the cache at ``paths`` cannot be trusted, or None when its files match its sums."""
+    try:
+        sums = json.loads(paths.sums.read_text())
+        return mismatch(paths.bin, sums["bin"]) or mismatch(paths.offsets, sums["offsets"])
+    except (ValueError, KeyError, TypeError) as err:
+        return f"{paths.sums.name} is unreadable ({err})"
+
+
+def load_tokens(paths: CachePaths, tokenizer: Tokenizer) -> TokenDataset | None:
+    """The cached split, or None when there is none (or it has no document). A corrupt cache
+    is reported in one line and treated as missing, so the caller rebuilds it."""
+    if not paths.sums.exists():
         return None
-    offsets = np.load(offsets_path)
+    if problem := corruption(paths):
+        log.warning("token cache %s is corrupt (%s); rebuilding it", paths.bin.parent, problem)
+        return None
+    offsets = np.load(paths.offsets)
     dtype = token_dtype(tokenizer.vocab_size)
-    if len(offsets) < 2 or bin_path.stat().st_size != int(offsets[-1]) * dtype.itemsize:
+    if len(offsets) < 2 or paths.bin.stat().st_size != int(offsets[-1]) * dtype.itemsize:
         return None
-    tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+    tokens = np.memmap(paths.bin, dtype=dtype, mode="r")
     return TokenDataset(tokens, offsets, tokenizer.eos_id)
 
 
 def tokenized_split(corpus: Corpus, split: str, tokenizer: Tokenizer, root: Path) -> TokenDataset:
     """Load the split's token cache, building it first if no valid one exists."""
     directory = cache_dir_for(root, corpus, tokenizer)
-    bin_path, offsets_path = directory / f"{split}.bin", directory / f"{split}.offsets.npy"
-    cached = load_tokens(bin_path, offsets_path, tokenizer)
+    paths = CachePaths.of(directory, split)
+    cached = load_tokens(paths, tokenizer)
     if cached is not None:
         return cached
     directory.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    write_tokens(corpus.documents(split), tokenizer, bin_path, offsets_path)
-    data = load_tokens(bin_path, offsets_path, tokenizer)
+    write_tokens(corpus.documents(split), tokenizer, paths)
+    data = load_tokens(paths, tokenizer)
     if data is None:
         raise DataError(
             f"the {split} split of data={corpus.name} has no text; use a bigger corpus "

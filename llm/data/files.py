@@ -17,6 +17,8 @@ from llm.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
+# Undecodable characters a text file may hold: a stray byte passes, a binary file does not.
+MAX_REPLACED_SHARE = 0.01
 
 
 def resolve_files(spec: str) -> list[Path]:
@@ -42,16 +44,37 @@ def resolve_files(spec: str) -> list[Path]:
 
 def read_documents(path: Path, text_field: str) -> Iterator[str]:
     if path.suffix in TEXT_SUFFIXES:
-        yield read_text(path)
+        yield read_utf8_text(path)
     elif path.suffix == ".jsonl":
         yield from _jsonl(path, text_field)
     else:
         yield from _parquet(path, text_field)
 
 
+def read_utf8_text(path: Path) -> str:
+    """The file's text, with a few undecodable bytes replaced (U+FFFD); refused when they
+    are more than MAX_REPLACED_SHARE of it: binary or another encoding, not text to train on."""
+    text = read_text(path)
+    replaced = text.count("\ufffd")
+    if replaced > MAX_REPLACED_SHARE * len(text):
+        raise DataError(
+            f"{path} is not UTF-8 text ({replaced} of {len(text)} characters do not decode: "
+            "binary, or another encoding); re-encode it as UTF-8 (iconv -t utf-8) or remove "
+            "it from data.path"
+        )
+    return text
+
+
 def _jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{path}:{lineno} is not UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                    f"{err.start + 1}); re-encode the file as UTF-8 or remove the line"
+                ) from err
             if not line.strip():
                 continue
             try:
@@ -68,16 +91,25 @@ def _jsonl(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _parquet(path: Path, text_field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq  # only data=files with parquet needs it
+    import pyarrow as pa  # only data=files with parquet needs it
+    import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
+    try:
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            raise DataError(
+                f"{path} has no column {text_field!r} (it has {', '.join(names)}); "
+                "set data.text_field to the column holding the text"
+            )
+        for batch in pf.iter_batches(columns=[text_field]):
+            yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+    except (pa.ArrowException, OSError) as err:  # a bad footer, page or thrift header
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DataError(
-            f"{path} has no column {text_field!r} (it has {', '.join(pf.schema_arrow.names)}); "
-            "set data.text_field to the column holding the text"
-        )
-    for batch in pf.iter_batches(columns=[text_field]):
-        yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+            f"{path} is not a readable Parquet file ({reason}); re-export it, or remove it "
+            "from data.path"
+        ) from err
 
 
 def split_single_text(text: str, split: str, val_fraction: float) -> str:

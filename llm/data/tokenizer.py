@@ -114,10 +114,27 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> tokenizers.Tokenizer:
     return tok
 
 
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _read_tokenizer_file(path: Path) -> tokenizers.Tokenizer:
+    """``tokenizers.Tokenizer.from_file``, whose parse errors are plain Exceptions, as a
+    DataError naming the file."""
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # the Rust parser raises bare Exception
+        raise DataError(
+            f"{path} is not a valid tokenizer.json ({_first_line(err)}); save it again with "
+            "tokenizer.save_pretrained(DIR), or use data.tokenizer=bpe"
+        ) from err
+
+
 def load_or_train_bpe(corpus: Corpus, cfg: DataConfig) -> HFTokenizer:
     key = f"bpe-{cfg.vocab_size}-{cfg.tokenizer_train_bytes}-{corpus.name}-{corpus.digest[:16]}"
     path = cache_root(cfg) / "tokenizers" / f"{key}.json"
-    if not path.exists():
+    backend = _cached_bpe(path)
+    if backend is None:
         start = time.perf_counter()
         backend = train_bpe(train_texts(corpus, cfg.tokenizer_train_bytes), cfg.vocab_size)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,8 +147,19 @@ def load_or_train_bpe(corpus: Corpus, cfg: DataConfig) -> HFTokenizer:
             time.perf_counter() - start,
             path,
         )
-    backend = tokenizers.Tokenizer.from_file(str(path))
     return HFTokenizer(backend, backend.token_to_id(EOS_TOKEN))
+
+
+def _cached_bpe(path: Path) -> tokenizers.Tokenizer | None:
+    """The trained BPE cached at ``path``; None when there is none, or when it is corrupt
+    (it is then trained again: the cache is ours to rebuild)."""
+    if not path.exists():
+        return None
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # the Rust parser raises bare Exception
+        log.warning("tokenizer cache %s is corrupt (%s); training it again", path, _first_line(err))
+        return None
 
 
 def load_hf_tokenizer(spec: str) -> HFTokenizer:
@@ -142,14 +170,20 @@ def load_hf_tokenizer(spec: str) -> HFTokenizer:
             "tokenizer.json; fix the path (save one with tokenizer.save_pretrained(DIR)) or use bpe"
         )
     if path.is_file():
-        backend = tokenizers.Tokenizer.from_file(str(path))
+        backend = _read_tokenizer_file(path)
         eos_id = next(
             (i for t in EOS_CANDIDATES if (i := backend.token_to_id(t)) is not None), None
         )
     else:
         from transformers import AutoTokenizer  # slow to import; only this path needs it
 
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as err:  # transformers raises OSError, ValueError or the parser's
+            raise DataError(
+                f"tokenizer folder {path} cannot be loaded ({_first_line(err)}); save it "
+                "again with tokenizer.save_pretrained(DIR), or use data.tokenizer=bpe"
+            ) from err
         if not hasattr(hf, "backend_tokenizer"):
             raise DataError(
                 f"{spec} has no fast tokenizer; save it with tokenizer.json (a fast tokenizer)"

@@ -96,8 +96,15 @@ def overflow_checked_step(
 def _overflow_error(scaler: LossScaler, local_names: list[str]) -> TrainingError:
     names = sorted({n for rank in gather_object(local_names) for n in rank})
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    steps = scaler.overflows_at_min_scale
+    if not scaler.enabled:  # fp32, tf32, bf16: there is no loss scale to blame
+        return TrainingError(
+            f"gradients were not finite {steps} steps in a row in: {shown}; lower "
+            "optimizer.lr, keep train.grad_clip > 0, or check the data for extreme values"
+        )
+    where = "its minimum" if scaler.settings.dynamic else "static: precision.static_loss_scale"
     return TrainingError(
-        f"gradients overflowed {scaler.overflows_at_min_scale} steps in a row at "
-        f"loss scale {scaler.scale:g} (its minimum) in: {shown}; lower the "
-        "learning rate, use precision=bf16, or check the data for extreme values"
+        f"gradients overflowed {steps} steps in a row at loss scale {scaler.scale:g} "
+        f"({where}) in: {shown}; lower the learning rate, use precision=bf16, or check "
+        "the data for extreme values"
     )

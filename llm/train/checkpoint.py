@@ -1,70 +1,76 @@
-"""Checkpoints: world-size-independent, atomic, verified on load.
+"""Checkpoints: world-size-independent, atomic, checksummed, verified on load.
 
 Layout of ``<run>/checkpoints/step_000100/``:
   model + optimizer   torch.distributed.checkpoint (DCP) files: sharded by rank on save,
                       resharded on load, so N ranks can save and M ranks resume
   trainer.pt          step, scheduler, data-loader position (global, not per rank)
   rng_rank{r}.pt      each rank's RNG states (restored when the world size matches)
-  meta.json           written last: step, world size, model digest, every file's size
+  meta.json           written last: step, world size, model digest, and every file's size
+                      and xxh3-64 checksum (each rank hashes the files it wrote)
 
 A checkpoint is written into ``.step_000100.tmp`` and renamed into place only when complete,
 so a failed write never touches the previous checkpoint; old ones are pruned only after the
-rename. A checkpoint without meta.json, or whose files disagree with it, is refused on load
-with the path of the previous one.
+rename. Before writing, the free space is compared with the checkpoint's size; a write that
+fails removes its temporary folder, and a full disk is reported as one (llm.disk).
+
+Loading verifies meta.json and every file's size and checksum (the files shared out over
+the ranks), then the model digest. ``checkpoint.resume=auto`` takes the newest checkpoint
+that verifies and notes each newer one it skipped; checkpoints newer than the one a run
+resumes from are moved to ``checkpoints/rolled_back/``, so neither ``auto`` nor pruning
+mistakes them for the run's latest.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import random
 import shutil
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from llm.dist import barrier, global_rank
-from llm.errors import CheckpointError
+from llm.disk import free_bytes, no_space_message, says_no_space
+from llm.dist import barrier, gather_object, global_rank, global_world_size
+from llm.errors import CheckpointError, DiskFullError
 from llm.train.bounded_writer import BoundedFileWriter
+from llm.train.checkpoint_files import (
+    META,
+    PREFIX,
+    TRAINER,
+    checkpoint_bytes,
+    file_problem,
+    list_checkpoints,
+    move_aside,
+    own_files,
+    read_meta,
+    records_of,
+    remove_stale_writes,
+    rng_state,
+    set_rng_state,
+    state_bytes,
+    step_of,
+    write_meta,
+)
 
 # One process without a process group is a supported DCP mode; its warning is noise here.
 warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
 )
 
-META = "meta.json"
-TRAINER = "trainer.pt"
-PREFIX = "step_"
+# DCP's CheckpointException derives from BaseException; `except Exception` misses it.
+SAVE_OR_LOAD_ERRORS = (Exception, CheckpointException)
 
 
-def rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints (meta.json present), oldest first."""
-    if not directory.is_dir():
-        return []
-    found = [p for p in directory.glob(f"{PREFIX}*") if p.is_dir() and (p / META).is_file()]
-    return sorted(found, key=lambda p: int(p.name.removeprefix(PREFIX)))
+def describe(exc: BaseException) -> str:
+    """One line for an exception; a CheckpointException by its first rank's failure (its
+    own text is a multi-line traceback per rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        rank, (inner, _) = next(iter(failures.items()))
+        return f"rank {rank}: {describe(inner)}"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 class Checkpointer:
@@ -81,37 +87,92 @@ class Checkpointer:
         self.keep_last = keep_last
         self.model_digest = model_digest
         self.world_size = world_size
+        self.notes: list[str] = []  # one line per checkpoint resolve() skipped
+        self._verified: set[Path] = set()
 
+    # ---- saving ---------------------------------------------------------------------
     def save(self, step: int, strategy, trainer_state: dict) -> Path:
         final = self.directory / f"{PREFIX}{step:06d}"
         tmp = self.directory / f".{final.name}.tmp"
+        state = strategy.state_dict()
+        need = self._check_room(state)
         if global_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
             tmp.mkdir(parents=True)
         barrier()
-        dcp.save(strategy.state_dict(), storage_writer=BoundedFileWriter(tmp, self.file_bytes))
-        torch.save(rng_state(), tmp / f"rng_rank{global_rank()}.pt")
-        barrier()
+        error, records = None, {}
+        try:
+            dcp.save(state, storage_writer=BoundedFileWriter(tmp, self.file_bytes))
+            torch.save(rng_state(), tmp / f"rng_rank{global_rank()}.pt")
+            records = records_of(own_files(tmp, global_rank()))
+        except SAVE_OR_LOAD_ERRORS as exc:
+            error = exc
+        why = None if error is None else describe(error)
+        written = gather_object((why, says_no_space(error), records))
+        outcome = None
         if global_rank() == 0:
-            torch.save(trainer_state, tmp / TRAINER)
-            self._write_meta(tmp, step)
-            self._replace(tmp, final)
-            self._prune()
-        barrier()
-        return final
+            outcome, error = self._finish(tmp, final, step, trainer_state, written, error, need)
+        outcome = gather_object(outcome)[0]  # rank 0's; also the barrier that ends the save
+        if outcome is None:
+            return final
+        full, message = outcome
+        raise (DiskFullError if full else CheckpointError)(message) from error
 
-    def _write_meta(self, tmp: Path, step: int) -> None:
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        meta = {
-            "step": step,
-            "world_size": self.world_size,
-            "model_digest": self.model_digest,
-            "files": files,
-        }
-        with open(tmp / META, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+    def _check_room(self, state: dict) -> int:
+        """The bytes a checkpoint needs (the newest one's size, else the state's tensors);
+        refuses on every rank, before anything is written, when rank 0 sees less free."""
+        rank0 = global_rank() == 0
+        previous = list_checkpoints(self.directory) if rank0 else []
+        facts = gather_object(
+            (
+                state_bytes(state, count_replicated=rank0),
+                free_bytes(self.directory) if rank0 else 0,
+                checkpoint_bytes(previous[-1]) if previous else 0,
+            )
+        )
+        need = facts[0][2] or sum(f[0] for f in facts)
+        if facts[0][1] < need:
+            raise DiskFullError(self._no_space(need))
+        return need
+
+    def _finish(self, tmp, final, step, trainer_state, written, error, need):
+        """Rank 0: write trainer.pt and meta.json, rename into place and prune; on any
+        rank's failure remove the temporary folder instead. Returns (None, None) when the
+        checkpoint is in place, else ((disk full?, one line), this rank's exception)."""
+        failed = next((why for why, _, _ in written if why), None)
+        no_space = any(full for _, full, _ in written)
+        if failed is None:
+            try:
+                torch.save(trainer_state, tmp / TRAINER)
+                files = {name: rec for _, _, recs in written for name, rec in recs.items()}
+                files.update(records_of([p for p in tmp.iterdir() if p.name not in files]))
+                meta = {
+                    "step": step,
+                    "world_size": self.world_size,
+                    "model_digest": self.model_digest,
+                    "files": dict(sorted(files.items())),
+                }
+                write_meta(tmp, meta)
+                self._replace(tmp, final)
+                self._prune()
+                return None, None
+            except Exception as exc:
+                error, failed, no_space = exc, describe(exc), says_no_space(exc)
+        # Judged before the clean-up frees the partial write: a full disk has no room left.
+        full = no_space or free_bytes(self.directory) < need
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            return (True, self._no_space(need)), error
+        return (
+            False,
+            f"writing checkpoint {final} failed ({failed}); the earlier checkpoints are kept: "
+            "fix the cause and run the same command to resume",
+        ), error
+
+    def _no_space(self, need: int) -> str:
+        kept = list_checkpoints(self.directory)
+        note = f" (the newest checkpoint, {kept[-1].name}, is kept)" if kept else ""
+        return no_space_message(self.directory, "a checkpoint", need) + note
 
     @staticmethod
     def _replace(tmp: Path, final: Path) -> None:
@@ -129,57 +190,110 @@ class Checkpointer:
         for old in list_checkpoints(self.directory)[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
+    # ---- choosing and verifying -----------------------------------------------------
     def resolve(self, resume: str) -> Path | None:
-        """The checkpoint to resume from: None for a fresh start."""
+        """The checkpoint to resume from: None for a fresh start. Every rank calls this."""
+        if global_rank() == 0:
+            remove_stale_writes(self.directory)  # safe: the run directory is locked
+        barrier()
         if resume == "none":
             return None
-        if resume != "auto":
-            return Path(resume)
-        found = list_checkpoints(self.directory)
-        return found[-1] if found else None
+        if resume == "auto":
+            return self._newest_verified(self.directory, required=False)
+        path = Path(resume)
+        if (path / META).is_file() or step_of(path) >= 0:
+            return path  # one checkpoint: load() verifies it
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        if list_checkpoints(folder):
+            return self._newest_verified(folder, required=True)
+        raise CheckpointError(
+            f"checkpoint.resume={resume} holds no checkpoint; give a checkpoint folder "
+            "(step_N, with meta.json), a run directory or its checkpoints/ folder, or "
+            "auto / none"
+        )
 
+    def _newest_verified(self, folder: Path, required: bool) -> Path | None:
+        found = list_checkpoints(folder)
+        problems = []
+        for candidate in reversed(found):
+            problem = self.problem(candidate)
+            if problem is None:
+                self._verified.add(candidate)
+                return candidate
+            problems.append(problem)
+            self.notes.append(
+                f"skipped checkpoint {candidate}: it is corrupt ({problem}); trying the one "
+                "before it"
+            )
+        if found:
+            raise CheckpointError(
+                f"no checkpoint in {folder} verifies (the newest, {found[-1].name}: "
+                f"{problems[0]}); start fresh with checkpoint.resume=none, or move {folder} aside"
+            )
+        if required:
+            raise CheckpointError(f"{folder} holds no checkpoint")
+        return None
+
+    def problem(self, path: Path) -> str | None:
+        """Why the checkpoint at ``path`` cannot be trusted, or None. Every rank calls this
+        and gets the same answer: each checks the size and checksum of its share of the
+        files."""
+        meta, why = read_meta(path)
+        if meta is None:
+            return why
+        names = sorted(meta["files"])
+        mine = names[global_rank() :: global_world_size()]
+        local = next((p for n in mine if (p := file_problem(path, n, meta["files"][n]))), None)
+        found = [p for p in gather_object(local) if p]
+        return found[0] if found else None
+
+    # ---- loading --------------------------------------------------------------------
     def load(self, path: Path, strategy) -> dict:
         """Restore strategy state and RNG in place; return the trainer state."""
-        meta = self._verify(path)
-        state = strategy.state_dict()  # the target layout; DCP fills it in place
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except Exception as exc:  # DCP raises many kinds; all mean this checkpoint is unusable
-            raise CheckpointError(self._unusable(path, f"{type(exc).__name__}: {exc}")) from exc
-        strategy.load_state_dict(state)
-        rng = path / f"rng_rank{global_rank()}.pt"
-        # RNG streams belong to ranks; with another world size they cannot be matched up.
-        if meta["world_size"] == self.world_size and rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=False))
-        return torch.load(path / TRAINER, weights_only=False)
-
-    def _verify(self, path: Path) -> dict:
-        if not (path / META).is_file():
-            raise CheckpointError(
-                self._unusable(path, "meta.json is missing (an unfinished write)")
-            )
-        try:
-            meta = json.loads((path / META).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(self._unusable(path, f"meta.json is unreadable ({exc})")) from exc
-        for name, size in meta.get("files", {}).items():
-            actual = (path / name).stat().st_size if (path / name).is_file() else None
-            if actual != size:
-                raise CheckpointError(
-                    self._unusable(path, f"{name} has {actual} bytes, meta.json says {size}")
-                )
+        if path not in self._verified and (problem := self.problem(path)):
+            raise CheckpointError(self._unusable(path, problem))
+        meta, _ = read_meta(path)
         if meta.get("model_digest") != self.model_digest:
             raise CheckpointError(
                 f"checkpoint {path} holds a different model shape than this run's; resume with "
                 "the model config it was saved with, or checkpoint.resume=none"
             )
-        return meta
+        state = strategy.state_dict()  # the target layout; DCP fills it in place
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except SAVE_OR_LOAD_ERRORS as exc:  # DCP raises many kinds; all mean unusable
+            raise CheckpointError(self._unusable(path, describe(exc))) from exc
+        strategy.load_state_dict(state)
+        rng = path / f"rng_rank{global_rank()}.pt"
+        # RNG streams belong to ranks; with another world size they cannot be matched up.
+        if meta["world_size"] == self.world_size and rng.is_file():
+            set_rng_state(self._torch_load(path, rng.name))
+        return self._torch_load(path, TRAINER)
+
+    def _torch_load(self, path: Path, name: str):
+        try:
+            return torch.load(path / name, weights_only=False)
+        except Exception as exc:  # unpickling raises anything from EOFError to KeyError
+            raise CheckpointError(self._unusable(path, f"{name}: {describe(exc)}")) from exc
 
     def _unusable(self, path: Path, why: str) -> str:
-        earlier = [p for p in list_checkpoints(path.parent) if p != path and p.name < path.name]
+        step = step_of(path)
+        earlier = [p for p in list_checkpoints(path.parent) if 0 <= step_of(p) < step]
         fix = (
             f"resume from the previous one with checkpoint.resume={earlier[-1]}"
             if earlier
             else "start fresh with checkpoint.resume=none"
         )
-        return f"checkpoint {path} is corrupt: {why}; {fix}, or delete it"
+        return f"checkpoint {path} is corrupt: {why}; {fix}"
+
+    def set_aside_newer(self, path: Path) -> Path | None:
+        """Rank 0: move this run's checkpoints newer than ``path`` (the one resumed from) to
+        ``rolled_back/``. They belong to the run as it was before this resume; left in place,
+        ``auto`` would pick them next time and pruning would keep them over new ones."""
+        if global_rank() != 0 or path.resolve().parent != self.directory.resolve():
+            return None
+        resumed = step_of(path)
+        newer = [
+            p for p in self.directory.glob(f"{PREFIX}*") if p.is_dir() and step_of(p) > resumed
+        ]
+        return move_aside(newer, self.directory) if newer else None

@@ -11,7 +11,6 @@ step still makes is the overflow check's (llm/parallel/step.py).
 from __future__ import annotations
 
 import math
-import signal
 import statistics
 from dataclasses import dataclass, field
 
@@ -22,12 +21,14 @@ import torch.nn.functional as F
 from llm.config import Config
 from llm.data import IGNORE, Batch
 from llm.dist import gather_object
+from llm.errors import TrainingError
 from llm.memory import PeakTracker, peak_rss_bytes
 from llm.optim import warmup_note
 from llm.parallel.step import StepResult
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import StepTimer, mfu
 from llm.train.monitor import Monitor
+from llm.train.stop import StopRequested
 
 
 @dataclass
@@ -78,29 +79,6 @@ class _StepOnDevice:
     result: StepResult
 
 
-class StopRequested:
-    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits at the next step
-    whose results are read (a logged or checkpoint step: at most ``train.log_every`` steps
-    later, since every rank must see the vote at the same step). Slurm preemption sends
-    SIGTERM some time before SIGKILL (``--signal``), which must cover those steps."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 class Trainer:
     def __init__(
         self,
@@ -137,6 +115,8 @@ class Trainer:
         # llm.run hands over the tracker that measured start-up, so the run has one.
         self.tracker = tracker or PeakTracker(device, cfg.train.memory_tracking)
         self.tracker.watch(strategy.state_tensors)
+        self.resumed_from = None  # the checkpoint this invocation started from
+        self.stop_signal: str | None = None
 
     # ---- checkpoint state -------------------------------------------------------------
     def trainer_state(self) -> dict:
@@ -149,6 +129,8 @@ class Trainer:
         }
 
     def resume(self, path) -> None:
+        for note in self.checkpointer.notes:  # newer checkpoints resolve() skipped, and why
+            self.logger.info(note)
         with self.tracker.region("checkpoint_load"):
             saved = self.checkpointer.load(path, self.strategy)
         self.state.step = saved["step"]
@@ -156,7 +138,13 @@ class Trainer:
         self.state.skipped_steps = saved.get("skipped_steps", 0)
         self.scheduler.load_state_dict(saved["scheduler"])
         self.train_loader.load_state_dict(saved["data"])
+        self.resumed_from = path
         self.logger.info(f"resumed from {path} at step {self.state.step}")
+        if moved := self.checkpointer.set_aside_newer(path):
+            self.logger.info(
+                f"moved this run's checkpoints after step {self.state.step} to {moved}: they "
+                "belong to the run before this resume"
+            )
 
     def save(self) -> None:
         if self.checkpointer is not None:
@@ -283,6 +271,22 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------
     def fit(self) -> dict:
+        """Train to train.stop_at_step or train.max_steps (or a stop signal); a
+        TrainingError after a resume also names the checkpoint resumed from, which may hold
+        its cause (a diverged state saved as if it were healthy)."""
+        self.logger.start_at(self.state.step)
+        try:
+            return self._fit()
+        except TrainingError as exc:
+            if self.resumed_from is None:
+                raise
+            raise TrainingError(
+                f"{exc}; this run resumed from {self.resumed_from}, which may hold the cause: "
+                "resume from an earlier checkpoint (checkpoint.resume=PATH) or start fresh "
+                "(checkpoint.resume=none)"
+            ) from exc
+
+    def _fit(self) -> dict:
         t = self.cfg.train
         timer = StepTimer(self.device)
         last = t.stop_at_step or t.max_steps
@@ -314,6 +318,7 @@ class Trainer:
                 if saves:
                     self.save()
                 if stop_now:
+                    self.stop_signal = stop.signal
                     self.logger.info(f"stop requested: checkpointing at step {self.state.step}")
                     self.save()
                     return self.summary(stopped=True)
@@ -404,6 +409,9 @@ class Trainer:
         return {
             "steps": self.state.step,
             "stopped_early": stopped,
+            # This rank's signal (SIGINT, SIGTERM) when one stopped the run; a rank that only
+            # heard of the stop through the vote has None.
+            "stop_signal": self.stop_signal,
             "final_train_loss": self.state.last_loss,
             "final_val_loss": self.state.last_val_loss,
             "final_val_ppl": (
