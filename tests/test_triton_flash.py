@@ -18,7 +18,8 @@ import pytest
 import torch
 from triton_interpreter_cases import CASES, Case, make_inputs
 
-from llm.attention.eager import eager, repeat_kv
+from llm.attention import attention
+from llm.attention.eager import repeat_kv
 from llm.attention.triton_flash import TRITON_SUPPORT, flash_attention_triton, triton_available
 from llm.errors import ConfigError
 
@@ -45,7 +46,7 @@ def reference_grads(case: Case):
     x = make_inputs(case, poisoned=False)
     q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
     if x["doc_ids"] is None:
-        out = eager(q, k, v, causal=case.causal, dropout_p=0.0)
+        out = attention(q, k, v, causal=case.causal, backend="eager")
     else:
         out = masked_reference(q, k, v, causal=case.causal, doc_ids=x["doc_ids"])
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), x["grad_out"])
