@@ -14,6 +14,8 @@ from llm.attention import get_backend
 from llm.config import Config
 from llm.errors import ConfigError
 from llm.models import ModelArgs, build_model, freeze, model_args
+from llm.optim import OPTIMIZERS
+from llm.parallel.strategy import refuse_optimizer
 from llm.precision import resolve_precision
 
 
@@ -84,6 +86,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
 def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device) -> None:
     name = cfg.parallelism.name
+    if cfg.optimizer.name not in OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer.name={cfg.optimizer.name!r} is unknown; choose one of "
+            f"{', '.join(sorted(OPTIMIZERS))}"
+        )
+    refuse_optimizer(name, cfg.optimizer.name, cfg.parallelism.zero_stage)
     dp = nproc if cfg.parallelism.dp_size == -1 else cfg.parallelism.dp_size
     if name == "fsdp":
         from llm.parallel.fsdp import refuse_impossible
