@@ -141,9 +141,11 @@ def _adamw8bit_state(shape, kind, cfg: OptimizerConfig) -> int:
     return 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
 
 
-@register_optimizer(
-    "adamw8bit", _adamw8bit_state, QUANT_BLOCKS, shared_state_bytes=BNB_QMAPS
-)
+def _bnb_maps(shapes, cfg: OptimizerConfig) -> int:
+    return BNB_QMAPS if any(math.prod(s) >= cfg.min_8bit_size for s in shapes) else 0
+
+
+@register_optimizer("adamw8bit", _adamw8bit_state, QUANT_BLOCKS, shared_state_bytes=_bnb_maps)
 def _adamw8bit(groups: Groups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     try:
         import bitsandbytes as bnb

@@ -36,8 +36,9 @@ class OptimizerSpec:
     build: OptimizerBuilder
     state_bytes: TensorStateBytes
     layout: str
-    # Bytes held once per optimizer whatever its parameters (bitsandbytes' quantisation maps).
-    shared_state_bytes: int = 0
+    # Bytes held once per optimizer, from its parameters' shapes (bitsandbytes' quantisation
+    # maps, shared by every quantised tensor).
+    shared_state_bytes: Callable[[list[tuple[int, ...]], OptimizerConfig], int] | None = None
     # True: it asks for an extra backward on chosen steps (llm/optim/gradient_pass.py).
     gradient_pass: bool = False
     # Whether it splits matrices inside transformer blocks from embeddings and the head
@@ -85,13 +86,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 def declared_state_bytes(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> int:
     """Bytes of state ``optimizer`` declares for the parameters it holds (after a first
     step: the state is made lazily), read from the spec of ``cfg.name``."""
-    spec = OPTIMIZERS[cfg.name]
-    total = spec.shared_state_bytes
-    for group in optimizer.param_groups:
-        kind = group.get("kind", "matrix")
-        for p in group["params"]:
-            total += spec.state_bytes(tuple(_local(p).shape), kind, cfg)
-    return total
+    shapes = [
+        (tuple(_local(p).shape), group.get("kind", "matrix"))
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ]
+    return _total(OPTIMIZERS[cfg.name], cfg, shapes)
+
+
+def _total(spec: OptimizerSpec, cfg: OptimizerConfig, shapes) -> int:
+    shared = spec.shared_state_bytes([s for s, _ in shapes], cfg) if spec.shared_state_bytes else 0
+    return shared + sum(spec.state_bytes(s, k, cfg) for s, k in shapes)
 
 
 def declared_bytes_per_parameter(
@@ -99,8 +104,7 @@ def declared_bytes_per_parameter(
 ) -> float:
     """State bytes per parameter element over ``(shape, group kind)`` pairs: the figure
     docs/optimizers.md and the benchmark report."""
-    spec = OPTIMIZERS[cfg.name]
-    total = spec.shared_state_bytes + sum(spec.state_bytes(s, k, cfg) for s, k in shapes)
+    total = _total(OPTIMIZERS[cfg.name], cfg, shapes)
     return total / max(1, sum(_numel(s) for s, _ in shapes))
 
 
