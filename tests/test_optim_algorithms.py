@@ -5,6 +5,8 @@ bytes against the bytes it holds; each optimizer lowers a toy loss at its defaul
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -242,8 +244,14 @@ def test_sampled_labels_depend_on_the_row_not_on_its_batch():
     assert torch.equal(sampled_labels(peaked, ids[:1], ids[:1], seed=1), ids[:1])
 
 
-def _toy_steps(name: str, steps: int = 15, *overrides: str):
-    cfg = compose_config([f"optimizer={name}", "output_dir=unused", *overrides]).optimizer
+@functools.cache
+def _defaults(name: str) -> OptimizerConfig:
+    """conf/optimizer/NAME.yaml, composed as train.py does."""
+    return compose_config([f"optimizer={name}", "output_dir=unused"]).optimizer
+
+
+def _toy_steps(name: str, steps: int = 15, **overrides):
+    cfg = dataclasses.replace(_defaults(name), **overrides)
     torch.manual_seed(0)
     model = TinyLM()
     optimizer = build_optimizer(model, cfg)
@@ -277,7 +285,7 @@ def test_declared_state_bytes_match_the_measured_optimizer_states(name):
     """The figure each optimizer declares (llm/optim/builders.py) is what llm.memory counts
     in its tensor storages, exactly; min_8bit_size is lowered so that 8-bit AdamW quantises
     the toy model's matrices."""
-    model, optimizer, cfg, *_ = _toy_steps(name, 2, "optimizer.min_8bit_size=256")
+    model, optimizer, cfg, *_ = _toy_steps(name, 2, min_8bit_size=256)
     measured = model_state_bytes(model, optimizer)["optimizer_states"]
     assert measured == declared_state_bytes(optimizer, cfg) > 0
 
