@@ -50,6 +50,7 @@ def test_checkpoint_reshards_between_world_sizes(
     tmp_path, text_corpus, cache_dir, name, saved_by, ranks, resumed_by
 ):
     _, ref = run(tmp_path, "ref", text_corpus, cache_dir, *STEPS, *_optimizer(name))
+
     def launch(strategy: str, nproc: int, *extra: str):
         return run(
             tmp_path,

@@ -97,7 +97,9 @@ def _whole_weights(strategy, model) -> dict[str, torch.Tensor]:
 
 
 def _ranks(rank: int, world: int, port: int, cases, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         for strategy_name, optimizer in cases:
             weights = train(strategy_name, optimizer, rank, world)

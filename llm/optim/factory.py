@@ -65,7 +65,9 @@ def param_groups(
 def optimizer_param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict[str, Any]]:
     """:func:`param_groups` as optimizer ``cfg.name`` needs them."""
     spec = OPTIMIZERS.get(cfg.name)
-    return param_groups(model, cfg.weight_decay, split_hidden=spec is not None and spec.split_hidden)
+    return param_groups(
+        model, cfg.weight_decay, split_hidden=spec is not None and spec.split_hidden
+    )
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:

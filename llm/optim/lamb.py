@@ -113,9 +113,7 @@ class Lamb(torch.optim.Optimizer):
     def _directions(self, group: dict, first: int):
         """u = Adam's direction + wd * w for ``group``'s params with a gradient, and their
         positions in the flat list of the optimizer's params."""
-        params, grads, states = with_grads(
-            self, group, _init, ("step", "exp_avg", "exp_avg_sq")
-        )
+        params, grads, states = with_grads(self, group, _init, ("step", "exp_avg", "exp_avg_sq"))
         where = [first + i for i, p in enumerate(group["params"]) if p.grad is not None]
         if not params:
             return [], [], []

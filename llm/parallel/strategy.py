@@ -129,13 +129,17 @@ def refuse_optimizer(strategy: str, optimizer: str, zero_stage: int = 0) -> None
         allowed = {ELEMENTWISE} | ({PARAM_NORMS} if zero_stage == 0 else set())
         if spec.gradient_pass:
             reason = "its extra gradient pass cannot run through DeepSpeed's engine"
-            raise ConfigError(f"optimizer={optimizer} under parallelism=deepspeed: {reason}; use ddp, zero1-3 or fsdp")
+            raise ConfigError(
+                f"optimizer={optimizer} under parallelism=deepspeed: {reason}; use ddp, zero1-3 or fsdp"
+            )
     else:
         allowed = SHARDED_LAYOUTS
     if spec.layout not in allowed:
         where = f"{strategy} zero_stage={zero_stage}" if strategy == "deepspeed" else strategy
         reason = WHY_NOT[spec.layout].format(strategy=where)
-        raise ConfigError(f"optimizer={optimizer} under parallelism={strategy}: {reason}; use parallelism=ddp")
+        raise ConfigError(
+            f"optimizer={optimizer} under parallelism={strategy}: {reason}; use parallelism=ddp"
+        )
 
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {}
