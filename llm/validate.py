@@ -92,6 +92,11 @@ def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device)
             f"{', '.join(sorted(OPTIMIZERS))}"
         )
     refuse_optimizer(name, cfg.optimizer.name, cfg.parallelism.zero_stage)
+    if cfg.optimizer.name == "adamw8bit" and precision.update_rounding is not None:
+        raise ConfigError(
+            f"optimizer=adamw8bit with precision={precision.name}: its rounded update would "
+            "round bitsandbytes' fp32 block scales too; use precision=bf16"
+        )
     dp = nproc if cfg.parallelism.dp_size == -1 else cfg.parallelism.dp_size
     if name == "fsdp":
         from llm.parallel.fsdp import refuse_impossible

@@ -187,6 +187,12 @@ def test_unsupported_optimizers_are_refused_before_ranks_start(parallelism, opti
     assert "\n" not in str(err.value) and f"optimizer={optimizer}" in str(err.value)
 
 
+def test_8bit_adamw_is_refused_with_bf16_pure():
+    cfg = compose_config(["output_dir=unused", "optimizer=adamw8bit", "precision=bf16_pure"])
+    with pytest.raises(ConfigError, match="use precision=bf16"):
+        validate(cfg)
+
+
 def test_layouts_every_strategy_accepts():
     """The table the refusals come from: sharded strategies take element-wise optimizers
     and LAMB's whole-parameter norms; DDP takes everything."""
