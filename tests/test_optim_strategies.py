@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import compose_config
+from helpers import assert_close_weights, compose_config, final_weights, run, train_losses
 
 from llm.config import OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
@@ -200,3 +200,26 @@ def test_layouts_every_strategy_accepts():
         assert supported("ddp", name)
         assert supported("zero2", name) == (spec.layout not in (WHOLE_MATRICES, QUANT_BLOCKS))
     assert OPTIMIZERS["lamb"].layout == PARAM_NORMS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_lion_as_deepspeed_client_optimizer_matches_single(tmp_path, text_corpus, cache_dir, stage):
+    """Lion handed to DeepSpeed as a client optimizer, stepped on its flat fp32 partitions,
+    against one process (llama-tiny: no key bias, see train() above)."""
+    common = ("model=llama-tiny", "optimizer=lion", "optimizer.lr=1e-3", "train.max_steps=8")
+    _, ref = run(tmp_path, "single", text_corpus, cache_dir, "train.micro_batch_size=8", *common)
+    _, got = run(
+        tmp_path,
+        f"ds{stage}",
+        text_corpus,
+        cache_dir,
+        "parallelism=deepspeed",
+        f"parallelism.zero_stage={stage}",
+        "launcher.nproc_per_node=2",
+        "train.micro_batch_size=4",
+        *common,
+    )
+    for step, loss in train_losses(ref).items():
+        assert train_losses(got)[step] == pytest.approx(loss, rel=1e-5), step
+    assert_close_weights(final_weights(ref), final_weights(got), rtol=0, atol=1e-5)
