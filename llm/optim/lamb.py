@@ -102,11 +102,13 @@ class Lamb(torch.optim.Optimizer):
             if not params:
                 continue
             if group.get("kind", "matrix") != "vector":
-                ratios = [
-                    _trust_ratio(w_norms[i], u_norms[i], group["trust_clip"], group["eps"])
-                    for i in where
-                ]
-                torch._foreach_mul_(updates, ratios)
+                ratios = _trust_ratios(
+                    torch.stack([w_norms[i] for i in where]),
+                    torch.stack([u_norms[i] for i in where]),
+                    group["trust_clip"],
+                    group["eps"],
+                )
+                torch._foreach_mul_(updates, ratios.to(updates[0].dtype).unbind())
             torch._foreach_add_(params, updates, alpha=-group["lr"])
         return loss
 
@@ -138,7 +140,8 @@ class Lamb(torch.optim.Optimizer):
         return params, updates, where
 
 
-def _trust_ratio(w_norm, u_norm, clip: float, eps: float) -> torch.Tensor:
-    w_norm = w_norm.clamp(max=clip)
-    ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / (u_norm + eps), 1.0)
-    return ratio.to(u_norm.dtype)
+def _trust_ratios(w_norms, u_norms, clip: float, eps: float) -> torch.Tensor:
+    """One trust ratio per parameter of a group, computed on stacked norms (a handful of ops
+    per group rather than per parameter)."""
+    w_norms = w_norms.clamp(max=clip)
+    return torch.where((w_norms > 0) & (u_norms > 0), w_norms / (u_norms + eps), 1.0)
