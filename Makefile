@@ -11,15 +11,15 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention clean
+.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention bench-optimizers clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
 
-$(STAMP): requirements.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt requirements-test.txt constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -r requirements.txt
+	$(PY) -m pip install -q -c constraints.txt -r requirements.txt -r requirements-test.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -49,6 +49,9 @@ bench-strategies: $(STAMP) ## DDP, our ZeRO-1/2/3, FSDP2, DeepSpeed on 2 and 4 r
 
 bench-attention: $(STAMP) ## attention backends: time, TFLOP/s, memory vs T (table + plot)
 	$(PY) benchmarks/attention.py $(ARGS)
+
+bench-optimizers: $(STAMP) ## each optimizer's step time and state bytes, ours against library versions
+	$(PY) benchmarks/optimizers.py $(ARGS)
 
 clean: ## remove outputs and caches (keeps .venv)
 	rm -rf outputs multirun .cache .pytest_cache .ruff_cache

@@ -225,20 +225,52 @@ class PrecisionConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"  # adamw | sgd (llm.optim.OPTIMIZERS is the registry)
+    """One optimizer from the registry (llm.optim.OPTIMIZERS; docs/optimizers.md). Fields an
+    optimizer does not use are ignored by it; conf/optimizer/NAME.yaml holds its defaults."""
+
+    name: str = "adamw"  # adamw | sgd | adafactor | lamb | lion | sophia | muon | adamw8bit
     lr: float = 3e-4
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    momentum: float = 0.9  # sgd only
-    fused: bool | None = None  # None: torch picks
+    momentum: float = 0.9  # sgd; muon's Nesterov momentum
+    fused: bool | None = None  # None: torch picks (adamw, sgd, muon's AdamW part)
+    # lamb: Adam's bias correction of both moments, and the bound on ||w|| in the trust ratio
+    bias_correction: bool = True
+    trust_clip: float = 10.0
+    # sophia: the clipping scale rho, and a Hessian estimate every k steps
+    rho: float = 0.04
+    hessian_every: int = 10
+    # adafactor (torch.optim.Adafactor): beta2_t = 1 - t^beta2_decay, eps2, update clip d
+    beta2_decay: float = -0.8
+    eps2: float = 1e-3
+    clip_threshold: float = 1.0
+    # muon (torch.optim.Muon on hidden matrices): Newton-Schulz steps, lr adjustment
+    ns_steps: int = 5
+    adjust_lr: str = "match_rms_adamw"  # match_rms_adamw | original
+    # adamw8bit: tensors smaller than this keep fp32 moments (bitsandbytes' min_8bit_size)
+    min_8bit_size: int = 4096
 
     def __post_init__(self) -> None:
-        _require_positive("optimizer", lr=self.lr, eps=self.eps)
+        _require_positive(
+            "optimizer",
+            lr=self.lr,
+            eps=self.eps,
+            trust_clip=self.trust_clip,
+            rho=self.rho,
+            hessian_every=self.hessian_every,
+            eps2=self.eps2,
+            clip_threshold=self.clip_threshold,
+            ns_steps=self.ns_steps,
+            min_8bit_size=self.min_8bit_size,
+        )
         if self.weight_decay < 0:
             raise ConfigError(f"optimizer.weight_decay={self.weight_decay} must be >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"optimizer.betas={list(self.betas)} must be two values in [0, 1)")
+        if not -1.0 <= self.beta2_decay < 0.0:
+            raise ConfigError(f"optimizer.beta2_decay={self.beta2_decay} must be in [-1, 0)")
+        _require_choice("optimizer", "adjust_lr", self.adjust_lr, ("match_rms_adamw", "original"))
 
 
 @dataclass

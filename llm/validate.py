@@ -16,6 +16,8 @@ from llm.attention import check_kernel, get_kernel
 from llm.config import Config
 from llm.errors import ConfigError
 from llm.models import HFSource, ModelArgs, build_model, freeze, model_args
+from llm.optim import OPTIMIZERS
+from llm.parallel.strategy import refuse_optimizer
 from llm.precision import resolve_precision
 from llm.train.checkpoint_files import META, list_checkpoints, step_of
 
@@ -130,6 +132,17 @@ def _check_resume_path(path: Path) -> None:
 
 def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device) -> None:
     name = cfg.parallelism.name
+    if cfg.optimizer.name not in OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer.name={cfg.optimizer.name!r} is unknown; choose one of "
+            f"{', '.join(sorted(OPTIMIZERS))}"
+        )
+    refuse_optimizer(name, cfg.optimizer.name, cfg.parallelism.zero_stage)
+    if cfg.optimizer.name == "adamw8bit" and precision.update_rounding is not None:
+        raise ConfigError(
+            f"optimizer=adamw8bit with precision={precision.name}: its rounded update would "
+            "round bitsandbytes' fp32 block scales too; use precision=bf16"
+        )
     dp = nproc if cfg.parallelism.dp_size == -1 else cfg.parallelism.dp_size
     if name == "fsdp":
         from llm.parallel.fsdp import refuse_impossible

@@ -89,9 +89,11 @@ def test_fused_is_passed_on_cpu_and_default_otherwise():
 
 
 def test_unknown_optimizer_lists_registered_names():
-    with pytest.raises(ConfigError, match=r"optimizer\.name='nope'.*adamw, sgd"):
+    with pytest.raises(ConfigError, match=r"optimizer\.name='nope'.*adafactor, adamw, adamw8bit"):
         build_optimizer(TinyLM(), OptimizerConfig(name="nope"))
-    assert {"adamw", "sgd"} <= set(OPTIMIZERS)
+    assert {"adamw", "sgd", "adafactor", "lamb", "lion", "sophia", "muon", "adamw8bit"} == set(
+        OPTIMIZERS
+    )
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])

@@ -238,11 +238,13 @@ def _norms_rank(rank: int, world: int, port: int, results) -> None:
             torch.device("cpu"),
         )
         strategy.build_optimizer(strategy.wrap(model), OptimizerConfig())
-        pieces = [t for _, t in strategy.piece_params]
-        norms = strategy.optimizer.whole_param_norms(pieces)
+        # The hook takes lists aligned with the optimizer's tensors, in param_groups order.
+        tensors = [t for g in strategy.optimizer.param_groups for t in g["params"]]
+        name_of = {id(t): piece.slot.name for piece, t in strategy.piece_params}
+        (norms,) = strategy.optimizer.whole_param_norms([tensors])
         results[rank] = [
-            (piece.slot.name, float(norm), float(expected[piece.slot.name]))
-            for (piece, _), norm in zip(strategy.piece_params, norms, strict=True)
+            (name_of[id(t)], float(norm), float(expected[name_of[id(t)]]))
+            for t, norm in zip(tensors, norms, strict=True)
         ]
     finally:
         dist.destroy_process_group()

@@ -49,12 +49,12 @@ from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors, state_bytes, storage_bytes
 from llm.models import WeightSource, materialize_from
-from llm.optim import build_optimizer, param_groups
+from llm.optim import GradientPass, build_optimizer, optimizer_param_groups
 from llm.parallel import ds_checkpoint as ckpt
 from llm.parallel.ds_config import checked_ds_config
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult
-from llm.parallel.strategy import register_strategy
+from llm.parallel.strategy import refuse_optimizer, register_strategy
 from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 # Where DeepSpeed's ZeRO optimizers keep gradients between backward and step (stage 1/2:
@@ -139,13 +139,16 @@ class DeepSpeedStrategy:
             # ZeRO-3 peaks at a full model per rank (docs/zero.md, Known limits).
             materialize_from(model, weights, self.device)
         opt_cfg = self.run_config.optimizer
+        refuse_optimizer(self.name, opt_cfg.name, self.cfg.zero_stage)
         self.ds_config = checked_ds_config(
             self.run_config, self.precision, self.device, self.dims.dp_size, model.args.d_model
         )
-        groups = param_groups(model, opt_cfg.weight_decay)
+        groups = optimizer_param_groups(model, opt_cfg)
         names = {id(p): n for n, p in model.named_parameters()}
         self._group_names = [[names[id(p)] for p in g["params"]] for g in groups]
-        # Our registry's optimizer where the ds_config names none (sgd, ...): a client optimizer.
+        # Our registry's optimizer where the ds_config names none (sgd, lion, ...): a client
+        # optimizer, stepped on DeepSpeed's flat fp32 partitions (element-wise ones only:
+        # llm.parallel.strategy.refuse_optimizer).
         client = None if "optimizer" in self.ds_config else build_optimizer(model, opt_cfg)
         if client is None and self.cfg.offload_optimizer:
             _require_cpu_adam()
@@ -209,6 +212,14 @@ class DeepSpeedStrategy:
 
     def zero_grad(self) -> None:
         """Nothing to do: engine.step() clears DeepSpeed's gradients itself."""
+
+    def gradient_pass(self, step: int) -> GradientPass | None:
+        """None: optimizers that ask for one are refused under DeepSpeed (its engine cannot
+        hand gradients to an optimizer without stepping)."""
+        return None
+
+    def take_gradient_pass(self, extra: GradientPass, tokens: torch.Tensor) -> None:
+        raise ConfigError("parallelism=deepspeed runs no optimizer gradient pass")
 
     # ---- checkpoints ------------------------------------------------------------------
     def _flats(self):

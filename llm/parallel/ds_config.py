@@ -141,6 +141,12 @@ def generate(cfg: Config, dp_size: int, precision: PrecisionPolicy, on_gpu: bool
         params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
         params["torch_adam"] = not cfg.parallelism.offload_optimizer
         ds["optimizer"] = {"type": "AdamW", "params": params}
+    elif o.name == "lamb" and on_gpu and cfg.parallelism.zero_stage == 0:
+        # DeepSpeed's own fused LAMB (a CUDA op), on whole parameters: stage 0 only, since
+        # its trust ratio over ZeRO's flat partitions would not be per parameter.
+        params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+        params |= {"bias_correction": o.bias_correction}
+        ds["optimizer"] = {"type": "Lamb", "params": params}
     return ds
 
 

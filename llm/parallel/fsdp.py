@@ -29,6 +29,7 @@ run on local shards.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -42,9 +43,11 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.models import WeightSource
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
+from llm.parallel.param_norms import summed_norms
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
 
@@ -103,8 +106,9 @@ class FSDPStrategy(SingleStrategy):
                 f"parallelism=fsdp wraps each block of model.layers (an nn.ModuleList); "
                 f"{type(model).__name__} has none, use parallelism=ddp"
             )
+        self.mesh = self._mesh()
         shard = {
-            "mesh": self._mesh(),
+            "mesh": self.mesh,
             "mp_policy": self._mixed_precision(),
             "offload_policy": self._offload(),
         }
@@ -134,6 +138,17 @@ class FSDPStrategy(SingleStrategy):
             start, stop = _dim0_rows(param)
             if stop > start:
                 local.copy_(weights.rows(name, start, stop, local.device))
+
+    def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+        optimizer = super().build_optimizer(model, cfg)
+        # LAMB's norms over whole parameters: each tensor is its own parameter's dim-0 rows,
+        # summed over the shard dimension (HSDP's replicas hold the same rows).
+        shard_group = self.mesh.get_group("dp_shard" if self.mesh.ndim == 2 else 0)
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        optimizer.whole_param_norms = functools.partial(
+            summed_norms, owners=list(range(n)), n_params=n, device=self.device, group=shard_group
+        )
+        return optimizer
 
     @property
     def grad_replicas(self) -> int:

@@ -14,9 +14,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from llm.config import OptimizerConfig
 from llm.memory import module_state_tensors, state_bytes
 from llm.models import WeightSource, materialize_from
-from llm.optim import build_optimizer, wrap_optimizer
-from llm.parallel.step import StepResult, overflow_checked_step
-from llm.parallel.strategy import StrategyBase, register_strategy
+from llm.optim import GradientPass, build_optimizer, wrap_optimizer
+from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
+from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
 
 
 @register_strategy("single")
@@ -55,6 +55,7 @@ class SingleStrategy(StrategyBase):
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+        refuse_optimizer(self.name, cfg.name)
         self.optimizer = wrap_optimizer(build_optimizer(model, cfg), self.precision.update_rounding)
         return self.optimizer
 
@@ -74,6 +75,16 @@ class SingleStrategy(StrategyBase):
             self.scaler,
             self.optimizer_step,
             self.nonfinite_grad_names,
+            self.device,
+            self.grad_replicas,
+        )
+
+    def take_gradient_pass(self, extra: GradientPass, tokens: torch.Tensor) -> None:
+        """The pass's gradients are the params' .grad (synchronised as a step's are)."""
+        checked_gradient_pass(
+            self.local_grads(),
+            self.scaler,
+            lambda: extra.consume(tokens),
             self.device,
             self.grad_replicas,
         )

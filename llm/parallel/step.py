@@ -93,6 +93,26 @@ def overflow_checked_step(
     return StepResult(grad_norm=norm, loss_scale=scale)
 
 
+def checked_gradient_pass(
+    grads: list[torch.Tensor],
+    scaler: LossScaler,
+    consume: Callable[[], None],
+    device: torch.device,
+    grad_replicas: int,
+    group: dist.ProcessGroup | None = None,
+) -> bool:
+    """Hand an optimizer's extra gradient pass (llm/optim/gradient_pass.py) its reduced
+    gradients, unscaled; skipped (False) when they are not finite on some rank, as a step
+    would be. One all-reduce and one host read, on the steps that have a pass only."""
+    norm = global_grad_norm(grads, device, grad_replicas, group)
+    if not torch.isfinite(norm).item():
+        return False
+    if grads and scaler.scale != 1.0:
+        torch._foreach_mul_(grads, 1.0 / scaler.scale)
+    consume()
+    return True
+
+
 def _overflow_error(scaler: LossScaler, local_names: list[str]) -> TrainingError:
     names = sorted({n for rank in gather_object(local_names) for n in rank})
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")

@@ -30,6 +30,15 @@ from torch import nn
 from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
 from llm.models import WeightSource
+from llm.optim import (
+    ELEMENTWISE,
+    OPTIMIZERS,
+    PARAM_NORMS,
+    QUANT_BLOCKS,
+    WHOLE_MATRICES,
+    GradientPass,
+    gradient_pass,
+)
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult
 from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
@@ -57,6 +66,10 @@ class Strategy(Protocol):
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]: ...
 
+    def gradient_pass(self, step: int) -> GradientPass | None: ...
+
+    def take_gradient_pass(self, extra: GradientPass, tokens: torch.Tensor) -> None: ...
+
     def memory(self) -> dict[str, int]: ...
 
     def comm(self) -> dict[str, int]: ...
@@ -81,6 +94,52 @@ class StrategyBase:
         self.scaler = loss_scaler or disabled_loss_scaler()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+
+    def gradient_pass(self, step: int) -> GradientPass | None:
+        """The optimizer's extra gradient pass when step ``step`` (1-based) needs it, else
+        None (llm/optim/gradient_pass.py): the Trainer asks, and never names the optimizer."""
+        extra = gradient_pass(self.optimizer)
+        return extra if extra is not None and extra.due(step) else None
+
+
+# What each strategy's shards let an optimizer see (llm/optim/registry.py's layouts). Single
+# and DDP hold whole replicas: every layout. Our ZeRO (flat buckets cut anywhere) and FSDP
+# (dim-0 shards) run element-wise optimizers as they are, and give LAMB whole-parameter norms
+# through `whole_param_norms` (one all-reduce of two floats per parameter per step).
+SHARDED_LAYOUTS = frozenset({ELEMENTWISE, PARAM_NORMS})
+WHY_NOT = {
+    WHOLE_MATRICES: "its row/column statistics or Newton-Schulz products need whole matrices "
+    "and {strategy} gives each rank a slice of them",
+    QUANT_BLOCKS: "its 256-element quantisation blocks would straddle {strategy}'s shard "
+    "boundaries and quantise differently than on one process",
+    PARAM_NORMS: "its trust ratio needs whole-parameter norms and {strategy} steps flat "
+    "partitions that cut through parameters",
+}
+
+
+def refuse_optimizer(strategy: str, optimizer: str, zero_stage: int = 0) -> None:
+    """Refuse, in one line, an optimizer that ``strategy`` cannot run with the updates it gives
+    under ``single``; called by llm.validate before ranks start and by each build_optimizer."""
+    spec = OPTIMIZERS.get(optimizer)
+    if spec is None or strategy in ("single", "ddp"):
+        return
+    if strategy == "deepspeed":
+        # Client optimizers see DeepSpeed's flat partitions (stage 0: whole parameters);
+        # its engine has no way to hand an optimizer gradients without stepping.
+        allowed = {ELEMENTWISE} | ({PARAM_NORMS} if zero_stage == 0 else set())
+        if spec.gradient_pass:
+            reason = "its extra gradient pass cannot run through DeepSpeed's engine"
+            raise ConfigError(
+                f"optimizer={optimizer} under parallelism=deepspeed: {reason}; use ddp, zero1-3 or fsdp"
+            )
+    else:
+        allowed = SHARDED_LAYOUTS
+    if spec.layout not in allowed:
+        where = f"{strategy} zero_stage={zero_stage}" if strategy == "deepspeed" else strategy
+        reason = WHY_NOT[spec.layout].format(strategy=where)
+        raise ConfigError(
+            f"optimizer={optimizer} under parallelism={strategy}: {reason}; use parallelism=ddp"
+        )
 
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {}

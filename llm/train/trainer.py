@@ -195,6 +195,8 @@ class Trainer:
         scale = (self.dp_size / counts[0].clamp(min=1.0)).float()
         step = self.state.step + 1
         with self.tracker.step(self.tracker.tracks(logged=self._logs_at(step))):
+            if (extra := self.strategy.gradient_pass(step)) is not None:
+                self._gradient_pass(extra, batches, scale, counts[0], step)
             loss_sum, result = self._step_on(batches, scale)
             if self._logs_at(step):
                 # Sampled while gradients exist: what a rank holds at its peak of model state.
@@ -220,6 +222,24 @@ class Trainer:
         result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
         self.scheduler.step()
         return loss_sum, result
+
+    def _gradient_pass(self, extra, batches: list, scale, tokens, step: int) -> None:
+        """The optimizer's extra forward and backward before this step (Sophia's Hessian
+        estimate; llm/optim/gradient_pass.py): its own loss on the step's micro-batches,
+        reduced over ranks like the data loss, then handed to it instead of a step."""
+        seed = self.cfg.train.seed * 1_000_003 + step
+        for i, (x, y) in enumerate(batches):
+            with self.strategy.micro_batch(sync=i == len(batches) - 1):
+                self.tracker.phase("forward")
+                with self.strategy.precision.autocast(self.device):
+                    logits = self.model(x)  # (B, T, V)
+                loss = extra.loss(logits, y, x, seed)
+                self.tracker.phase("backward")
+                scaled = loss * scale
+                self.tracker.watch_backward(scaled)
+                self.strategy.backward(scaled)
+        self.strategy.take_gradient_pass(extra, tokens)
+        self.strategy.zero_grad()
 
     def _read_pending(self, timer: StepTimer) -> tuple[bool, dict | None]:
         """Read every step since the last read in one host sync (their losses all-reduced

@@ -25,6 +25,7 @@ layout.py; per-bucket tensors: buffers.py; checkpoints: state.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 
 import torch
@@ -34,9 +35,10 @@ from torch import nn
 from llm.config import OptimizerConfig
 from llm.memory import optimizer_state_tensors, state_bytes
 from llm.models import ModuleSource, WeightSource, materialize_from
-from llm.optim import optimizer_for_groups, param_groups, wrap_optimizer
-from llm.parallel.step import StepResult, overflow_checked_step
-from llm.parallel.strategy import StrategyBase, register_strategy
+from llm.optim import GradientPass, optimizer_for_groups, optimizer_param_groups, wrap_optimizer
+from llm.parallel.param_norms import summed_norms
+from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
+from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
 from llm.parallel.zero import state
 from llm.parallel.zero.buffers import BucketBuffers
 from llm.parallel.zero.collectives import all_gather
@@ -139,8 +141,9 @@ class ZeroStrategy(StrategyBase):
         return dist.new_group(dist.get_process_group_ranks(self.group or dist.group.WORLD))
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+        refuse_optimizer(self.name, cfg.name)
         # The factory's groups (weight decay or not, per parameter) carried over to pieces.
-        factory_groups = param_groups(model, cfg.weight_decay)
+        factory_groups = optimizer_param_groups(model, cfg)
         group_of = {p: i for i, g in enumerate(factory_groups) for p in g["params"]}
         groups = [{**g, "params": []} for g in factory_groups]
         self.piece_params = []
@@ -154,8 +157,17 @@ class ZeroStrategy(StrategyBase):
         self.optimizer = wrap_optimizer(
             optimizer_for_groups(groups, cfg), self.precision.update_rounding
         )
-        # Norm-based optimizers (LAMB) need whole-parameter norms of sharded pieces.
-        self.optimizer.whole_param_norms = self.whole_param_norms
+        # Norm-based optimizers (LAMB) need whole-parameter norms of sharded pieces: the
+        # parameter (slot) each of the optimizer's tensors, in param_groups order, is part of.
+        slots = {id(s): i for i, s in enumerate(s for b in self._trainable for s in b.bucket.slots)}
+        piece_of = {id(tensor): piece for piece, tensor in self.piece_params}
+        self.optimizer.whole_param_norms = functools.partial(
+            summed_norms,
+            owners=[slots[id(piece_of[id(t)].slot)] for g in groups for t in g["params"]],
+            n_params=len(slots),
+            device=self.device,
+            group=self.group,
+        )
         return self.optimizer
 
     # ---- backward ---------------------------------------------------------------------
@@ -211,7 +223,8 @@ class ZeroStrategy(StrategyBase):
                     names.append(piece.slot.name)
         return names
 
-    def _optimizer_step(self) -> None:
+    def _attach_grads(self) -> None:
+        """Each piece tensor's .grad: its slice of the bucket's reduced gradient shard."""
         grads = [buf.master_grad() for buf in self._trainable]
         if self.cfg.offload_optimizer and self.device.type == "cuda":
             # The host reads the gradients the device copied out asynchronously.
@@ -220,6 +233,9 @@ class ZeroStrategy(StrategyBase):
             lo = buf.bucket.shard_range(self.rank)[0]
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 tensor.grad = grad[piece.start - lo : piece.stop - lo]
+
+    def _optimizer_step(self) -> None:
+        self._attach_grads()
         self.optimizer.step()
         for buf in self._trainable:  # frozen buckets never change: nothing to gather
             if buf.master is not buf.shard:
@@ -228,6 +244,17 @@ class ZeroStrategy(StrategyBase):
                 all_gather(buf.full, buf.shard, group=self.group)
                 self._count("all_gather", buf.full)
 
+    def take_gradient_pass(self, extra: GradientPass, tokens: torch.Tensor) -> None:
+        """The pass's reduced gradient shards, as the pieces' .grad (llm/optim/gradient_pass.py)."""
+        checked_gradient_pass(
+            [buf.grad_shard for buf in self._trainable],
+            self.scaler,
+            lambda: (self._attach_grads(), extra.consume(tokens)),
+            self.device,
+            grad_replicas=1,
+            group=self.group,
+        )
+
     def zero_grad(self) -> None:
         for buf in self._trainable:
             buf.grad_shard.zero_()
@@ -235,21 +262,6 @@ class ZeroStrategy(StrategyBase):
                 buf.grad_full.zero_()
         for _, tensor in self.piece_params:
             tensor.grad = None
-
-    def whole_param_norms(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """For per-piece tensors (in optimizer order), the L2 norm over the whole parameter
-        each piece belongs to, summed across ranks in one all-reduce."""
-        slots = [slot for buf in self._trainable for slot in buf.bucket.slots]
-        index = {id(s): i for i, s in enumerate(slots)}
-        # On the communication device (NCCL takes no CPU tensor), also on a rank that owns
-        # no piece: every rank must join the all-reduce.
-        sq = torch.zeros(len(slots), dtype=torch.float32, device=self.device)
-        owners = [index[id(piece.slot)] for piece, _ in self.piece_params]
-        for owner, t in zip(owners, tensors, strict=True):
-            sq[owner] += t.float().pow(2).sum().to(self.device)
-        dist.all_reduce(sq, group=self.group)
-        norms = sq.sqrt()
-        return [norms[owner].to(t.device) for owner, t in zip(owners, tensors, strict=True)]
 
     # ---- accounting and checkpoints ---------------------------------------------------
     def _count(self, kind: str, payload: torch.Tensor) -> None:

@@ -1,0 +1,152 @@
+"""Each optimizer's step time (the optimizer step alone, and a whole training step: forward,
+cross-entropy, backward, step) and its state bytes per parameter, ours side by side with
+library versions of the same algorithm, in one process.
+
+    python benchmarks/optimizers.py                  # gpt2-small shape, fp32, CPU
+    python benchmarks/optimizers.py --device cuda    # gpt2-medium, bf16 autocast, GPU
+                                                     # (adds torch's fused AdamW and
+                                                     # DeepSpeed's FusedLamb)
+
+Rows are measured in rounds (every optimizer once per round, the median over rounds), so
+load from anything else on the machine falls on all of them alike. The optimizer-step rows
+step on fixed random gradients; Sophia's row is its step without the Hessian estimate
+(its extra forward and backward every k steps is in the training-step column, divided by k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from llm.config import OptimizerConfig
+from llm.memory import optimizer_state_tensors, storage_bytes
+from llm.models import build_model, materialize, model_args
+from llm.optim import OPTIMIZERS, build_optimizer, param_groups
+
+# conf/optimizer/*.yaml's hyperparameters matter little to speed; each row uses its name's.
+OURS = ("adamw", "adafactor", "lamb", "lion", "sophia", "muon", "adamw8bit", "sgd")
+
+
+def _library(name: str, model, device) -> torch.optim.Optimizer | None:
+    """The library version compared with our row ``name``, or None where there is none."""
+    groups = param_groups(model, 0.1)
+    if name == "lamb (pytorch-optimizer)":
+        from pytorch_optimizer import Lamb
+
+        return Lamb(groups, lr=1e-3, weight_decouple=False, adam_debias=True)
+    if name == "lion (lion-pytorch)":
+        from lion_pytorch import Lion
+
+        return Lion(groups, lr=1e-4)
+    if name == "adamw (torch fused)":
+        return torch.optim.AdamW(groups, lr=3e-4, fused=True)
+    if name == "lamb (DeepSpeed FusedLamb)" and device.type == "cuda":
+        from deepspeed.ops.lamb import FusedLamb
+
+        return FusedLamb(groups, lr=1e-3)
+    return None
+
+
+def _rows(device: torch.device) -> list[str]:
+    rows = [*OURS, "lamb (pytorch-optimizer)", "lion (lion-pytorch)", "adamw (torch fused)"]
+    if device.type == "cuda":
+        rows.append("lamb (DeepSpeed FusedLamb)")
+    return rows
+
+
+def _optimizer(row: str, model, device) -> torch.optim.Optimizer:
+    if row in OPTIMIZERS:
+        return build_optimizer(model, OptimizerConfig(name=row))
+    return _library(row, model, device)
+
+
+def _timed(fn: Callable[[], None], device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=None, help="gpt2-small on CPU, gpt2-medium on GPU")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    a = parser.parse_args()
+    device = torch.device(a.device)
+    name = a.model or ("gpt2-medium" if device.type == "cuda" else "gpt2-small")
+    args = model_args(name)
+    model = materialize(build_model(args), device, seed=0)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    x = torch.randint(0, args.vocab_size, (a.batch, a.seq), device=device)
+    y = torch.randint(0, args.vocab_size, (a.batch, a.seq), device=device)
+    grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
+    n_params = sum(p.numel() for p in model.parameters())
+    initial = [p.detach().clone() for p in model.parameters()]
+
+    def reset() -> None:
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), initial, strict=True):
+                p.copy_(v)
+
+    def train_step(opt, step: int) -> None:
+        extra = getattr(opt, "gradient_pass", None)
+        if extra is not None and extra.due(step):
+            with autocast:
+                logits = model(x)
+            extra.loss(logits, y, x, seed=step).div(y.numel()).backward()
+            extra.consume(torch.tensor(float(y.numel()), device=device))
+            opt.zero_grad(set_to_none=True)
+        with autocast:
+            logits = model(x)
+        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    rows = _rows(device)
+    step_s: dict[str, list[float]] = {r: [] for r in rows}
+    train_s: dict[str, list[float]] = {r: [] for r in rows}
+    state: dict[str, float] = {}
+    for _ in range(a.rounds):
+        for row in rows:
+            reset()
+            opt = _optimizer(row, model, device)
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g.clone()
+            opt.step()  # the state is made lazily: the first step is not timed
+            step_s[row].append(_timed(opt.step, device))
+            opt.zero_grad(set_to_none=True)
+            k = getattr(opt, "hessian_every", 1)
+            # k training steps, so Sophia's row pays its Hessian estimate once, as it does
+            # every k steps in a run.
+            train_s[row].append(
+                sum(_timed(lambda s=s, o=opt: train_step(o, s), device) for s in range(1, k + 1))
+                / k
+            )
+            state[row] = storage_bytes(optimizer_state_tensors(opt)) / n_params
+            del opt
+    print(
+        f"{name} ({n_params / 1e6:.1f}M parameters), batch {a.batch} x {a.seq}, {device}, "
+        f"median of {a.rounds} rounds"
+    )
+    print("| optimizer | step alone (ms) | training step (ms) | state bytes / param |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| {row} | {1e3 * statistics.median(step_s[row]):.0f} | "
+            f"{1e3 * statistics.median(train_s[row]):.0f} | {state[row]:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
