@@ -228,11 +228,12 @@ class Trainer:
         estimate; llm/optim/gradient_pass.py): its own loss on the step's micro-batches,
         reduced over ranks like the data loss, then handed to it instead of a step."""
         seed = self.cfg.train.seed * 1_000_003 + step
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y, docs) in enumerate(batches):
             with self.strategy.micro_batch(sync=i == len(batches) - 1):
                 self.tracker.phase("forward")
                 with self.strategy.precision.autocast(self.device):
-                    logits = self.model(x)  # (B, T, V)
+                    # (B, T, V); documents kept apart as in the data loss
+                    logits = self.model(x) if docs is None else self.model(x, doc_ids=docs)
                 loss = extra.loss(logits, y, x, seed)
                 self.tracker.phase("backward")
                 scaled = loss * scale
