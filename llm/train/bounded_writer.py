@@ -12,6 +12,7 @@ them, by any number of ranks.
 
 from __future__ import annotations
 
+import math
 import queue
 from pathlib import Path
 
@@ -25,10 +26,7 @@ def item_bytes(item: WriteItem) -> int:
     """The bytes a tensor item writes; a pickled object counts as nothing (it is small)."""
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return 0
-    numel = 1
-    for n in item.tensor_data.size:
-        numel *= n
-    return numel * item.tensor_data.properties.dtype.itemsize
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
 
 
 def group_items(items: list[WriteItem], file_bytes: int) -> list[list[WriteItem]]:

@@ -153,14 +153,18 @@ class Trainer:
             self.logger.info(f"saved checkpoint {path}")
 
     # ---- one step ---------------------------------------------------------------------
+    def _logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """(B, T, V) under the precision's autocast; with ``doc_ids`` (attention.document_mask)
+        attention stays inside packed documents."""
+        with self.strategy.precision.autocast(self.device):
+            if doc_ids is None:
+                return self.model(input_ids)
+            return self.model(input_ids, doc_ids=doc_ids)
+
     def _loss_sum(
         self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> torch.Tensor:
-        with self.strategy.precision.autocast(self.device):
-            if doc_ids is None:
-                logits = self.model(input_ids)  # (B, T, V)
-            else:  # attention.document_mask: attention stays inside packed documents
-                logits = self.model(input_ids, doc_ids=doc_ids)
+        logits = self._logits(input_ids, doc_ids)
         return F.cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
         )
@@ -231,9 +235,7 @@ class Trainer:
         for i, (x, y, docs) in enumerate(batches):
             with self.strategy.micro_batch(sync=i == len(batches) - 1):
                 self.tracker.phase("forward")
-                with self.strategy.precision.autocast(self.device):
-                    # (B, T, V); documents kept apart as in the data loss
-                    logits = self.model(x) if docs is None else self.model(x, doc_ids=docs)
+                logits = self._logits(x, docs)
                 loss = extra.loss(logits, y, x, seed)
                 self.tracker.phase("backward")
                 scaled = loss * scale
