@@ -5,6 +5,8 @@ loop below makes the Trainer's calls, the optimizer's gradient pass included."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,26 +24,32 @@ from llm.precision import resolve_precision
 from llm.validate import validate
 
 CPU = torch.device("cpu")
-WORLD, STEPS, BATCH, SEQ, VOCAB = 2, 4, 4, 8, 64
+WORLD, BATCH, SEQ, VOCAB = 2, 4, 8, 64
+# The fast cases run 4 steps; the slow matrix runs the 20 steps the optimizer issue asks for.
+FAST_STEPS, MATRIX_STEPS = 4, 20
 # Larger lrs than the defaults, so 4 steps move the weights well beyond the tolerance; a
-# Hessian estimate at steps 1 and 3.
+# Hessian estimate every second step.
 LR = {"lamb": 1e-2, "lion": 1e-3, "sophia": 1e-3, "adafactor": 1e-2, "sgd": 0.1}
 SHARDED = ("zero1", "zero2", "zero3", "fsdp")
 # fp32: only the order the ranks' gradient sums are added in differs, as in AdamW's parity
-# tests (AdamW: measured 8e-7 over these 4 steps). 8-bit AdamW: a last-bit difference in a
-# gradient can move a moment across a quantisation boundary, one 8-bit level of its block;
-# measured 4.6e-5 under ddp, against 4e-3 that 4 steps at lr 1e-3 move a weight.
-ATOL = {"adamw8bit": 1e-4}
+# tests (AdamW: measured 8e-7 over 4 steps, 7.8e-7 over 20). 8-bit AdamW: a last-bit
+# difference in a gradient can move a moment across a quantisation boundary, one 8-bit
+# level of its block; measured 4.6e-5 under ddp over 4 steps and 2.6e-4 over 20 (3.6% of
+# the elements beyond 1e-5), against 4e-3 that 4 steps at lr 1e-3 move a weight. Sophia over
+# 20 steps: where the Hessian EMA is near zero, clip(m / max(rho * h, eps), 1) sits at its
+# bound and a rounding-level difference in h moves the ratio across it; measured 1.1e-4 on
+# 27 of 106,816 elements under zero1, against 2e-2 that 20 clipped steps at lr 1e-3 move one.
+ATOL = {FAST_STEPS: {"adamw8bit": 1e-4}, MATRIX_STEPS: {"adamw8bit": 1e-3, "sophia": 5e-4}}
 
 
 def _cfg(name: str) -> OptimizerConfig:
     return OptimizerConfig(name=name, lr=LR.get(name, 1e-3), hessian_every=2, min_8bit_size=256)
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         out.append((x, torch.roll(x, -1, dims=1)))
     return out
@@ -56,8 +64,8 @@ def _strategy(name: str, rank: int, world: int):
     )
 
 
-def train(strategy_name: str, optimizer: str, rank: int = 0, world: int = 1) -> dict:
-    """STEPS steps of llama-tiny on this rank's rows of each batch; the whole weights."""
+def train(strategy_name: str, optimizer: str, steps: int, rank: int = 0, world: int = 1) -> dict:
+    """``steps`` steps of llama-tiny on this rank's rows of each batch; the whole weights."""
     # llama-tiny: no attention biases. A key bias gets a gradient of exactly zero in exact
     # arithmetic (softmax ignores it), i.e. rounding noise that differs between strategies,
     # and sign-like updates (Lion, Sophia's clip, Adam's normalisation) turn noise into lr.
@@ -66,7 +74,7 @@ def train(strategy_name: str, optimizer: str, rank: int = 0, world: int = 1) -> 
     wrapped = strategy.wrap(model)
     strategy.build_optimizer(wrapped, _cfg(optimizer))
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    for step, (x, y) in enumerate(_batches(), start=1):
+    for step, (x, y) in enumerate(_batches(steps), start=1):
         x, y = x[rows], y[rows]
         scale = world / float(BATCH * SEQ)  # the Trainer's dp_size / global target tokens
         if (extra := strategy.gradient_pass(step)) is not None:
@@ -96,34 +104,42 @@ def _whole_weights(strategy, model) -> dict[str, torch.Tensor]:
     return {n: full(p).detach().clone() for n, p in model.named_parameters()}
 
 
-def _ranks(rank: int, world: int, port: int, cases, results) -> None:
+def _ranks(rank: int, world: int, port: int, cases, steps: int, results) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
         for strategy_name, optimizer in cases:
-            weights = train(strategy_name, optimizer, rank, world)
+            weights = train(strategy_name, optimizer, steps, rank, world)
             if rank == 0:
                 results[(strategy_name, optimizer)] = weights
     finally:
         dist.destroy_process_group()
 
 
-def check_cases(cases: list[tuple[str, str]]) -> None:
+@functools.cache
+def _reference(optimizer: str, steps: int) -> dict[str, torch.Tensor]:
+    """One process's weights, shared by every strategy's case in this session."""
+    return train("single", optimizer, steps)
+
+
+def check_cases(cases: list[tuple[str, str]], steps: int) -> None:
     results = mp.Manager().dict()
     mp.start_processes(
-        _ranks, args=(WORLD, free_port(), cases, results), nprocs=WORLD, start_method="spawn"
+        _ranks,
+        args=(WORLD, free_port(), cases, steps, results),
+        nprocs=WORLD,
+        start_method="spawn",
     )
-    references = {name: train("single", name) for name in {o for _, o in cases}}
     for strategy_name, optimizer in cases:
-        got, want = results[(strategy_name, optimizer)], references[optimizer]
+        got, want = results[(strategy_name, optimizer)], _reference(optimizer, steps)
         assert got.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(
                 got[key],
                 want[key],
                 rtol=0,
-                atol=ATOL.get(optimizer, 1e-5),
+                atol=ATOL[steps].get(optimizer, 1e-5),
                 msg=f"{strategy_name} {optimizer} {key}",
             )
 
@@ -146,18 +162,13 @@ FAST = [
 
 
 def test_representative_optimizers_match_single_under_sharding():
-    check_cases(FAST)
+    check_cases(FAST, FAST_STEPS)
 
 
 @pytest.mark.slow
-def test_every_optimizer_under_every_strategy_matches_single():
-    cases = [
-        (s, o)
-        for s in ("ddp", *SHARDED)
-        for o in sorted(OPTIMIZERS)
-        if supported(s, o) and (s, o) not in FAST
-    ]
-    check_cases(cases)
+@pytest.mark.parametrize("strategy", ["ddp", *SHARDED])
+def test_every_optimizer_under_every_strategy_matches_single(strategy):
+    check_cases([(strategy, o) for o in sorted(OPTIMIZERS) if supported(strategy, o)], MATRIX_STEPS)
 
 
 @pytest.mark.parametrize(
