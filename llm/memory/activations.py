@@ -135,6 +135,11 @@ def find_layers(model: nn.Module) -> nn.ModuleList | None:
     return None
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a matmul saves ``weight.t()``, a view)."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
 class ActivationMemoryCounter:
     """Counts bytes of tensors kept for backward while the context is open.
 
@@ -144,7 +149,7 @@ class ActivationMemoryCounter:
     allocation); a storage saved both inside and outside a label counts under the label.
     ``bytes`` includes parameters saved by matmuls (autograd keeps them alive for backward).
 
-    Activations, parameters (``nn.Parameter``) excluded, are counted per layer when the
+    Activations, parameters (``nn.Parameter`` and views of one) excluded, are counted per layer when the
     counter is given the model's blocks (``layers``): ``by_layer`` maps ``layers.{i}`` and
     ``outside`` (embeddings, final norm, head, loss) to bytes; a storage counts in the layer
     that saved it first. ``activation_bytes`` is their sum.
@@ -174,7 +179,7 @@ class ActivationMemoryCounter:
         if ref not in self._seen:
             self._seen.add(ref)
             self.bytes += storage.nbytes()
-            if not isinstance(t, nn.Parameter):
+            if not _is_parameter(t):
                 layer = _LAYER.get()
                 self.by_layer[layer] = self.by_layer.get(layer, 0) + storage.nbytes()
         label = _LABEL.get()
