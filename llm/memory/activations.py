@@ -197,5 +197,9 @@ class ActivationMemoryCounter:
     def __exit__(self, *exc: object) -> None:
         labels, saving = self._open
         saving.__exit__(*exc)
+        # Storage handles are only needed while counting; dropped now, they cannot outlive
+        # torch at interpreter exit (a compiled graph may keep this counter alive).
+        self._seen.clear()
+        self._labelled.clear()
         if labels is not None:
             labels.remove()
