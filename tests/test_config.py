@@ -82,6 +82,11 @@ def test_every_experiment_composes(experiment):
         (["data=files"], "data=files needs data.path"),
         (["model.name=gpt5"], "gpt5"),
         (["parallelism.tp_size=2"], "not implemented yet"),
+        (["recompute=budget"], "recompute=budget is torch.compile's partitioner and needs"),
+        (["recompute=offload"], "recompute=offload moves activations from the GPU"),
+        (["recompute=full", "recompute.every=0"], "recompute.every=0 must be > 0"),
+        (["recompute=budget", "recompute.memory_budget=2"], "recompute.memory_budget=2.0 must"),
+        (["recompute=selective", "recompute.save_every_other_mm=true"], "op_sac only"),
     ],
 )
 def test_impossible_configs_are_refused(overrides, message):

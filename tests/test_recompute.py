@@ -5,13 +5,14 @@ refusals of impossible settings in one line."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import read_metrics, run
 from torch import nn
 
 from llm.config import RecomputeConfig
 from llm.errors import ConfigError
 from llm.memory import ActivationMemoryCounter, PeakTracker, find_layers, module_state_tensors
 from llm.models import build_model, materialize, model_args
-from llm.recompute import apply_recompute
+from llm.recompute import apply_recompute, recompute_policy
 
 D, N_LAYERS = 16, 4
 
@@ -129,15 +130,17 @@ B, T = 2, 32
 INFIX = "_checkpoint_wrapped_module."  # the wrapper's infix in named_parameters
 
 
-def _tiny(family: str, backend: str, policy: str, **options) -> nn.Module:
-    args = model_args(family, dropout=0.1)
+def _tiny(family: str, backend: str, policy: str, dropout: float = 0.1, **options) -> nn.Module:
+    args = model_args(family, dropout=dropout)
     model = build_model(args, backend)  # on the meta device, as llm.run applies policies
     apply_recompute(model, RecomputeConfig(name=policy, **options))
     return materialize(model, "cpu", 0).train()
 
 
 def _loss_and_grads(model: nn.Module, layers: bool = True):
-    ids = torch.randint(0, model.args.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.args.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)
+    )
     torch.manual_seed(7)  # the same dropout masks for every policy
     with ActivationMemoryCounter(find_layers(model) if layers else None) as counter:
         loss = F.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
@@ -163,16 +166,16 @@ def test_policies_give_the_losses_and_gradients_of_none(family, backend, policy,
             assert 0 < n < ref_count.by_layer[name], (name, n)
 
 
-@pytest.mark.parametrize(
-    ("policy", "options"), [pytest.param("none", {}, id="none"), *POLICIES]
-)
+@pytest.mark.parametrize(("policy", "options"), [pytest.param("none", {}, id="none"), *POLICIES])
 def test_counted_activations_are_what_the_forward_leaves_alive(policy, options):
     """The allocator-level truth: the live storages the peak tracker sees at the end of the
     forward minus at its start are exactly the counted activations plus the loss. Under
     op_sac most of them are SAC's cache, which no saved-tensor hook sees; the tracker must
     class them as activations too, and release them with the backward."""
     model = _tiny("llama-tiny", "eager", policy, **options)
-    ids = torch.randint(0, model.args.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.args.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)
+    )
     tracker = PeakTracker(torch.device("cpu"), "every_step")
     tracker.watch(lambda: {"params": module_state_tensors(model)["params"]})
     with tracker.step(tracked=True):
@@ -234,7 +237,10 @@ def test_save_every_other_mm_keeps_less_than_op_sac():
     [
         ({"name": "partial"}, "recompute.name='partial' is unknown"),
         ({"name": "full", "every": 0}, "recompute.every=0 must be > 0"),
-        ({"name": "budget", "memory_budget": 1.5}, r"recompute.memory_budget=1.5 must be in \[0, 1\]"),
+        (
+            {"name": "budget", "memory_budget": 1.5},
+            r"recompute.memory_budget=1.5 must be in \[0, 1\]",
+        ),
         ({"name": "budget", "memory_budget": -0.1}, "must be in"),
         ({"name": "full", "save_every_other_mm": True}, "applies to recompute=op_sac only"),
     ],
@@ -243,3 +249,76 @@ def test_bad_recompute_settings_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as exc:
         RecomputeConfig(**overrides)
     assert "\n" not in str(exc.value)
+
+
+def test_budget_sets_the_partitioner_budget_only_around_the_forward():
+    knob = torch._functorch.config
+    default = knob.activation_memory_budget
+    with recompute_policy(RecomputeConfig(name="budget", memory_budget=0.25)).forward_context():
+        assert knob.activation_memory_budget == 0.25
+    assert knob.activation_memory_budget == default
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.0, 0.5])
+def test_budget_under_compile_gives_the_gradients_of_none(budget):
+    """torch.compile on CPU (minutes) with the partitioner's budget, against the eager model
+    without recompute. Dropout 0: inductor draws its masks with its own RNG. Tolerance
+    1e-5: inductor fuses and reorders fp32 arithmetic."""
+    ref_loss, ref_grads, _ = _loss_and_grads(_tiny("gpt2-tiny", "sdpa", "none", dropout=0.0))
+    model = _tiny("gpt2-tiny", "sdpa", "none", dropout=0.0)
+    compiled = torch.compile(model)
+    policy = recompute_policy(RecomputeConfig(name="budget", memory_budget=budget))
+    ids = torch.randint(
+        0, model.args.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)
+    )
+    with policy.forward_context():
+        loss = F.cross_entropy(compiled(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("policy", "options"), POLICIES)
+def test_policies_with_flex_attention_give_the_gradients_of_none(policy, options):
+    """FlexAttention compiles its kernel (slow on CPU); no dropout there."""
+
+    def grads(name, **kw):
+        model = materialize(
+            apply_recompute(
+                build_model(model_args("llama-tiny"), "flex"), RecomputeConfig(name=name, **kw)
+            ),
+            "cpu",
+            0,
+        )
+        return _loss_and_grads(model)
+
+    ref_loss, ref_grads, _ = grads("none")
+    loss, got, _ = grads(policy, **options)
+    torch.testing.assert_close(loss, ref_loss, **PARITY_TOL)
+    for name, g in got.items():
+        torch.testing.assert_close(g, ref_grads[name], **PARITY_TOL, msg=name)
+
+
+def test_train_py_reports_activation_bytes(tmp_path, text_corpus, cache_dir):
+    """recompute=selective end to end; the activation keys in metrics.jsonl (logged steps)
+    and summary.json (the last logged step), per-layer plus outside equal to the total."""
+    summary, out = run(
+        tmp_path,
+        "selective",
+        text_corpus,
+        cache_dir,
+        "recompute=selective",
+        "train.max_steps=3",
+        "train.log_every=2",
+        "train.micro_batch_size=2",
+    )
+    rows = [m for m in read_metrics(out) if "loss" in m]
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    for m in [*rows, summary]:
+        per_layer = m["activation_bytes_per_layer"]
+        assert len(per_layer) == 2 and min(per_layer) > 0  # gpt2-tiny's two blocks
+        assert sum(per_layer) + m["activation_bytes_outside_layers"] == m["activation_bytes"]
+    assert summary["activation_bytes"] == rows[-1]["activation_bytes"]

@@ -22,8 +22,8 @@ from llm.memory.storage import (
 
 __all__ = [
     "CATEGORIES",
-    "OUTSIDE",
     "MODES",
+    "OUTSIDE",
     "ActivationMemoryCounter",
     "PeakTracker",
     "cuda_peak_bytes",

@@ -107,12 +107,11 @@ class Attention(nn.Module):
         core = partial(
             attention, causal=True, backend=self.backend, dropout_p=p, docs=docs, kernel=self.kernel
         )
-        if self.recompute_core:
-            # Keeps q, k, v; backward reruns the core (scores, softmax, dropout with the RNG
-            # state restored, or the fused kernel) instead of keeping what it saves.
-            y = checkpoint(core, q, k, v, use_reentrant=False)  # (B, H, T, D)
-        else:
-            y = core(q, k, v)  # (B, H, T, D)
+        # recompute=selective keeps q, k, v; backward reruns the core (scores, softmax,
+        # dropout with the RNG state restored, or the fused kernel) instead of keeping what
+        # it saves.
+        run_core = partial(checkpoint, core, use_reentrant=False) if self.recompute_core else core
+        y = run_core(q, k, v)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(b, t, a.d_model)
         return self.resid_dropout(self.wo(y))
 

@@ -77,9 +77,7 @@ def _policy(save_every_other_mm: bool, handles: list) -> Callable:
 def _contexts(save_every_other_mm: bool):
     """A new pair of SAC contexts per block call; the memory handles live with them."""
     handles: list = []
-    forward, recompute = create_selective_checkpoint_contexts(
-        _policy(save_every_other_mm, handles)
-    )
+    forward, recompute = create_selective_checkpoint_contexts(_policy(save_every_other_mm, handles))
     recompute.memory_handles = handles
     return forward, recompute
 
