@@ -45,6 +45,8 @@ def test_every_option_composes(group, option, tmp_path):
         extra.append(f"data.path={tmp_path}")
     if group == "model":
         extra.append("data.seq_len=64")
+    if group == "recompute" and option == "budget":
+        extra.append("train.compile=true")  # the compiler's partitioner
     cfg = compose_config(BASE + extra)
     # The group's own option name is carried into the typed config.
     if group == "model":
@@ -53,6 +55,9 @@ def test_every_option_composes(group, option, tmp_path):
         assert getattr(cfg, group).name == option
     if group == "precision" and option in ("tf32", "fp8") and not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
+            validate(cfg)
+    elif group == "recompute" and option == "offload" and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="recompute=offload moves activations from the GPU"):
             validate(cfg)
     elif group == "attention" and option in GPU_ATTENTION and not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=GPU_ATTENTION[option]):
