@@ -24,15 +24,20 @@ from llm.errors import DiskFullError
 ROLLED_BACK_METRICS = "metrics.rolled_back.jsonl"
 
 
+PER_LAYER = "_per_layer"  # a list under a key ending so has one item per block, not per rank
+
+
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """One level of keys for W&B: nested dicts join with "/", and lists (in our metrics
-    and summary, always one entry per rank) name their items rank0, rank1, ...:
-    ``memory_peak/rank0/params``. None is dropped."""
+    and summary one entry per rank) name their items rank0, rank1, ...:
+    ``memory_peak/rank0/params``; lists under a key ending in ``_per_layer`` name them
+    layer0, layer1, ...: ``activation_bytes_per_layer/layer0``. None is dropped."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         name = f"{prefix}{key}"
         if isinstance(value, list):
-            value = {f"rank{i}": v for i, v in enumerate(value)}
+            item = "layer" if key.endswith(PER_LAYER) else "rank"
+            value = {f"{item}{i}": v for i, v in enumerate(value)}
         if isinstance(value, dict):
             flat.update(flatten(value, f"{name}/"))
         elif value is not None:

@@ -36,7 +36,7 @@ from llm.models import (
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import apply_precision, build_loss_scaler, resolve_precision
-from llm.recompute import apply_recompute
+from llm.recompute import apply_recompute, recompute_policy
 from llm.run_dir_lock import RunDirLock
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import peak_flops
@@ -176,7 +176,8 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
     # Fixed order (torchtitan): everything up to wrap() happens on the meta device (no
     # storage); wrap() shards first and then allocates and fills only what this rank holds,
     # so under zero3 and fsdp the unsharded model never exists on any rank.
-    model = apply_recompute(model, cfg.recompute)
+    recompute = recompute_policy(cfg.recompute)
+    model = apply_recompute(model, cfg.recompute, recompute)
     model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears
     scaler = build_loss_scaler(cfg.precision, precision.loss_scaling)
     strategy = build_strategy(cfg.parallelism, dims, precision, device, scaler, run_config=cfg)
@@ -238,6 +239,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
         peak_flops=peak_flops(device, precision.flops_dtype),
         device=device,
         tracker=tracker,
+        recompute=recompute,
     )
     try:
         if checkpointer is not None and (path := checkpointer.resolve(cfg.checkpoint.resume)):

@@ -92,6 +92,22 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if cfg.model.init_from is not None:
         args = HFSource(cfg.model.init_from).args
     _validate_attention(cfg, args, precision.compute_dtype, device)
+    _validate_recompute(cfg, device)
+
+
+def _validate_recompute(cfg: Config, device: torch.device) -> None:
+    """Policies that need something outside their own group."""
+    name = cfg.recompute.name
+    if name == "budget" and not cfg.train.compile:
+        raise ConfigError(
+            "recompute=budget is torch.compile's partitioner and needs train.compile=true; "
+            "set it, or use recompute=op_sac/selective without compile"
+        )
+    if name == "offload" and device.type != "cuda":
+        raise ConfigError(
+            f"recompute=offload moves activations from the GPU to host memory; on "
+            f"train.device={device.type} there is no host/device split, use recompute=none"
+        )
 
 
 def _validate_attention(cfg: Config, args: ModelArgs, dtype: torch.dtype, device) -> None:

@@ -45,6 +45,8 @@ def test_every_option_composes(group, option, tmp_path):
         extra.append(f"data.path={tmp_path}")
     if group == "model":
         extra.append("data.seq_len=64")
+    if group == "recompute" and option == "budget":
+        extra.append("train.compile=true")  # the compiler's partitioner
     cfg = compose_config(BASE + extra)
     # The group's own option name is carried into the typed config.
     if group == "model":
@@ -53,6 +55,9 @@ def test_every_option_composes(group, option, tmp_path):
         assert getattr(cfg, group).name == option
     if group == "precision" and option in ("tf32", "fp8") and not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
+            validate(cfg)
+    elif group == "recompute" and option == "offload" and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="recompute=offload moves activations from the GPU"):
             validate(cfg)
     elif group == "attention" and option in GPU_ATTENTION and not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=GPU_ATTENTION[option]):
@@ -82,6 +87,11 @@ def test_every_experiment_composes(experiment):
         (["data=files"], "data=files needs data.path"),
         (["model.name=gpt5"], "gpt5"),
         (["parallelism.tp_size=2"], "not implemented yet"),
+        (["recompute=budget"], "recompute=budget is torch.compile's partitioner and needs"),
+        (["recompute=offload"], "recompute=offload moves activations from the GPU"),
+        (["recompute=full", "recompute.every=0"], "recompute.every=0 must be > 0"),
+        (["recompute=budget", "recompute.memory_budget=2"], "recompute.memory_budget=2.0 must"),
+        (["recompute=selective", "recompute.save_every_other_mm=true"], "op_sac only"),
     ],
 )
 def test_impossible_configs_are_refused(overrides, message):

@@ -14,13 +14,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import assert_close_weights, compose_config, final_weights, run, train_losses
 
-from llm.config import OptimizerConfig, ParallelismConfig
+from llm.config import OptimizerConfig, ParallelismConfig, RecomputeConfig
 from llm.errors import ConfigError
 from llm.launch import free_port
 from llm.models import build_model, materialize, model_args
 from llm.optim import OPTIMIZERS, PARAM_NORMS, QUANT_BLOCKS, WHOLE_MATRICES
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import resolve_precision
+from llm.recompute import apply_recompute
 from llm.validate import validate
 
 CPU = torch.device("cpu")
@@ -64,12 +65,21 @@ def _strategy(name: str, rank: int, world: int):
     )
 
 
-def train(strategy_name: str, optimizer: str, steps: int, rank: int = 0, world: int = 1) -> dict:
-    """``steps`` steps of llama-tiny on this rank's rows of each batch; the whole weights."""
+def train(
+    strategy_name: str,
+    optimizer: str,
+    steps: int,
+    rank: int = 0,
+    world: int = 1,
+    recompute: str = "none",
+) -> dict:
+    """``steps`` steps of llama-tiny on this rank's rows of each batch, under the recompute
+    policy ``recompute`` (tests/test_recompute_strategies.py); the whole weights."""
     # llama-tiny: no attention biases. A key bias gets a gradient of exactly zero in exact
     # arithmetic (softmax ignores it), i.e. rounding noise that differs between strategies,
     # and sign-like updates (Lion, Sophia's clip, Adam's normalisation) turn noise into lr.
-    model = materialize(build_model(model_args("llama-tiny", vocab_size=VOCAB)), CPU, 0)
+    model = build_model(model_args("llama-tiny", vocab_size=VOCAB))
+    model = materialize(apply_recompute(model, RecomputeConfig(name=recompute)), CPU, 0)
     strategy = _strategy(strategy_name, rank, world)
     wrapped = strategy.wrap(model)
     strategy.build_optimizer(wrapped, _cfg(optimizer))
@@ -101,7 +111,8 @@ def _whole_weights(strategy, model) -> dict[str, torch.Tensor]:
                 out[slot.name] = span.view(slot.param.shape).clone()
         return out
     full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731
-    return {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    infix = "_checkpoint_wrapped_module."  # recompute's wrapper, absent from ZeRO's names
+    return {n.replace(infix, ""): full(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def _ranks(rank: int, world: int, port: int, cases, steps: int, results) -> None:

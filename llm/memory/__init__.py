@@ -1,7 +1,14 @@
 """Measuring memory: bytes of tensor storages by kind, activations autograd saves, the peak
 of live tensor bytes by category and phase, and the process's or allocator's peaks."""
 
-from llm.memory.activations import ActivationMemoryCounter, current_label, saved_as
+from llm.memory.activations import (
+    OUTSIDE,
+    ActivationMemoryCounter,
+    current_label,
+    find_layers,
+    kept_for_backward,
+    saved_as,
+)
 from llm.memory.peak import CATEGORIES, MODES, PeakTracker
 from llm.memory.process import cuda_peak_bytes, peak_rss_bytes, process_rss_bytes
 from llm.memory.storage import (
@@ -16,10 +23,13 @@ from llm.memory.storage import (
 __all__ = [
     "CATEGORIES",
     "MODES",
+    "OUTSIDE",
     "ActivationMemoryCounter",
     "PeakTracker",
     "cuda_peak_bytes",
     "current_label",
+    "find_layers",
+    "kept_for_backward",
     "local_shard",
     "model_state_bytes",
     "module_state_tensors",

@@ -3,9 +3,9 @@
 Every storage it has seen is an entry (weakly referenced: a storage's death subtracts its
 bytes) with a size and a category; ``totals`` holds the live bytes per category and
 ``current`` their sum after every change. Three ways in: op outputs (``OpOutputs``, a
-TorchDispatchMode), tensors autograd saves for backward (``pack``/``unpack``, saved-tensor
-hooks: "activations" while autograd holds them), and the state a strategy names
-(``classify``). Sizes are re-read, never trusted from registration: ZeRO-3 and FSDP2 free
+TorchDispatchMode), tensors kept for backward (``keep``, a saver of llm.memory.activations:
+"activations" while autograd or a checkpoint's cache holds them), and the state a strategy
+names (``classify``). Sizes are re-read, never trusted from registration: ZeRO-3 and FSDP2 free
 and refill storages in place with ``untyped_storage().resize_()``, which no dispatch mode
 sees, so ``wrap_resize`` wraps it while tracking. On CUDA a size is rounded up to the caching
 allocator's 512-byte blocks.
@@ -42,12 +42,13 @@ class Entry:
 
 
 class _Saved:
-    """What the pack hook hands autograd; its life is autograd's hold on the tensor."""
+    """The ledger's handle on a tensor kept for backward; its life is autograd's (or
+    selective checkpointing's cache's) hold on the tensor."""
 
-    __slots__ = ("entries", "ledger", "tensor")
+    __slots__ = ("entries", "ledger")
 
-    def __init__(self, tensor, entries, ledger) -> None:
-        self.tensor, self.entries, self.ledger = tensor, entries, ledger
+    def __init__(self, entries, ledger) -> None:
+        self.entries, self.ledger = entries, ledger
 
     def __del__(self) -> None:
         for entry in self.entries:
@@ -208,14 +209,12 @@ class LiveStorages:
             self.move(entry, category)
         self._state = {key: entry for key, (entry, _) in named.items()}
 
-    def pack(self, t: torch.Tensor):
+    def keep(self, t: torch.Tensor) -> _Saved | None:
+        """``t`` is kept for backward (a saver, llm.memory.activations): its storages count as
+        activations while the returned handle lives."""
         entries = [e for s in storages(t) if (e := self.entry(s)) is not None]
-        # A saved op output holding itself would tie it to its own grad_fn in a cycle; a
-        # detached alias shares its storage. Leaves are kept as they are, as autograd does,
-        # so a strategy that swaps a parameter's .data (DeepSpeed ZeRO-3) still sees it.
-        held = t if t.grad_fn is None else t.detach()
         if not entries:
-            return held
+            return None
         by_attention = current_label() == "attention"
         for entry in entries:
             entry.saved += 1
@@ -224,11 +223,7 @@ class LiveStorages:
                 self.attention += entry.size
             if entry.category == "other":
                 self.move(entry, "activations")
-        return _Saved(held, entries, self)
-
-    @staticmethod
-    def unpack(packed) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Saved) else packed
+        return _Saved(entries, self)
 
     def release(self, entry: Entry) -> None:
         entry.saved -= 1

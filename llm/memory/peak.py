@@ -13,7 +13,8 @@ and records the breakdown whenever it sets a new high. Categories:
   bucket reduced and freed during backward) is "other".
 - activations: storages autograd saved for backward and still holds (saved-tensor hooks).
   Inside a non-reentrant checkpointed block torch's own hooks take over, so only what the
-  checkpoint keeps (the block inputs) counts.
+  checkpoint keeps (the block inputs) counts, plus what selective activation checkpointing
+  caches (recompute=op_sac hands those over with ``kept_for_backward``).
 - activations_attention: the part of activations saved inside a ``saved_as("attention")``
   block (the attention kernels: llm.attention labels each call), a storage counted there
   if attention saved it at all; not a category of its own, so not added into the total.
@@ -39,6 +40,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from llm.memory.activations import saving_to
 from llm.memory.live import CATEGORIES, STATE, LiveStorages, OpOutputs
 from llm.memory.process import cuda_peak_bytes
 
@@ -65,7 +67,6 @@ class PeakTracker:
         self._peak: tuple = ()
         self._step_peak: dict | None = None
         self._mode = OpOutputs(self.live)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.live.pack, self.live.unpack)
         self._open: ExitStack | None = None
         self.last_step: dict | None = None
         self.best_step: dict | None = None
@@ -157,7 +158,7 @@ class PeakTracker:
         try:
             self.live.remeasure()
             self._open_phase(phase)
-            with self._mode, self._hooks:
+            with self._mode, saving_to(self.live):
                 yield
         finally:
             self.live.unwrap_resize()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from llm.attention import Documents, attention, get_kernel
 from llm.models.args import ModelArgs, RopeScaling
@@ -84,6 +86,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.d_model, kv_dim, bias=bias)
         self.wo = nn.Linear(args.d_model, args.d_model, bias=bias)
         self.resid_dropout = nn.Dropout(args.dropout)
+        # recompute=selective sets it: the attention core is recomputed in backward.
+        self.recompute_core = False
 
     def forward(
         self, x: Tensor, docs: Documents | None = None, positions: Tensor | None = None
@@ -100,9 +104,14 @@ class Attention(nn.Module):
             # leave as garbage or for .to(bf16) to round.
             q, k = apply_rope(q, k, rope_inv_freq(a, x.device), positions)
         p = a.dropout if self.training else 0.0
-        y = attention(
-            q, k, v, causal=True, backend=self.backend, dropout_p=p, docs=docs, kernel=self.kernel
-        )  # (B, H, T, D)
+        core = partial(
+            attention, causal=True, backend=self.backend, dropout_p=p, docs=docs, kernel=self.kernel
+        )
+        # recompute=selective keeps q, k, v; backward reruns the core (scores, softmax,
+        # dropout with the RNG state restored, or the fused kernel) instead of keeping what
+        # it saves.
+        run_core = partial(checkpoint, core, use_reentrant=False) if self.recompute_core else core
+        y = run_core(q, k, v)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(b, t, a.d_model)
         return self.resid_dropout(self.wo(y))
 

@@ -1,6 +1,6 @@
 """One pre-norm decoder for both families; ModelArgs.family picks norm, MLP and positions.
 
-The layout is a contract with parallel/ and recompute.py: ``tok_embeddings``, ``layers`` (each
+The layout is a contract with parallel/ and recompute/: ``tok_embeddings``, ``layers`` (each
 :class:`Block` maps (B, T, d) -> (B, T, d) and is the unit of recompute and FSDP wrapping),
 ``norm``, ``output``, and for GPT-2 ``pos_embeddings``.
 """

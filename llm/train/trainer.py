@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -22,9 +23,11 @@ from llm.config import Config
 from llm.data import IGNORE, Batch
 from llm.dist import gather_object
 from llm.errors import TrainingError
-from llm.memory import PeakTracker, peak_rss_bytes
+from llm.memory import OUTSIDE, ActivationMemoryCounter, PeakTracker, find_layers, peak_rss_bytes
 from llm.optim import warmup_note
 from llm.parallel.step import StepResult
+from llm.recompute import RecomputePolicy
+from llm.recompute.policies import NoRecompute
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import StepTimer, mfu
 from llm.train.monitor import Monitor
@@ -45,6 +48,17 @@ class TrainState:
 
 def _total(peak: dict | None) -> int | None:
     return None if peak is None else peak["total"]
+
+
+def _activation_metrics(counter: ActivationMemoryCounter) -> dict:
+    """This rank's bytes kept for backward by one micro-batch's forward: in total, per
+    block (in order) and outside the blocks (embeddings, final norm, head, loss)."""
+    per_layer = [n for name, n in counter.by_layer.items() if name != OUTSIDE]
+    return {
+        "activation_bytes": counter.activation_bytes,
+        "activation_bytes_per_layer": per_layer,
+        "activation_bytes_outside_layers": counter.by_layer[OUTSIDE],
+    }
 
 
 def _perplexity(loss: float) -> float:
@@ -94,6 +108,7 @@ class Trainer:
         peak_flops: float | None,
         device: torch.device,
         tracker: PeakTracker | None = None,
+        recompute: RecomputePolicy | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -117,6 +132,11 @@ class Trainer:
         self.tracker.watch(strategy.state_tensors)
         self.resumed_from = None  # the checkpoint this invocation started from
         self.stop_signal: str | None = None
+        # The recompute policy's context around every training forward (offload, budget).
+        self.recompute = recompute or NoRecompute()
+        self._layers = find_layers(model)
+        # Bytes kept for backward by the first micro-batch of the last logged step.
+        self.activations: dict = {}
 
     # ---- checkpoint state -------------------------------------------------------------
     def trainer_state(self) -> dict:
@@ -156,7 +176,7 @@ class Trainer:
     def _logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         """(B, T, V) under the precision's autocast; with ``doc_ids`` (attention.document_mask)
         attention stays inside packed documents."""
-        with self.strategy.precision.autocast(self.device):
+        with self.recompute.forward_context(), self.strategy.precision.autocast(self.device):
             if doc_ids is None:
                 return self.model(input_ids)
             return self.model(input_ids, doc_ids=doc_ids)
@@ -201,21 +221,28 @@ class Trainer:
         with self.tracker.step(self.tracker.tracks(logged=self._logs_at(step))):
             if (extra := self.strategy.gradient_pass(step)) is not None:
                 self._gradient_pass(extra, batches, scale, counts[0], step)
-            loss_sum, result = self._step_on(batches, scale)
+            loss_sum, result = self._step_on(batches, scale, count=self._logs_at(step))
             if self._logs_at(step):
                 # Sampled while gradients exist: what a rank holds at its peak of model state.
                 self.model_state_bytes = self.strategy.memory()
             self.strategy.zero_grad()
         return _StepOnDevice(step, loss_sum, counts[0], counts[1], result)
 
-    def _step_on(self, batches: list, scale: torch.Tensor) -> tuple[torch.Tensor, StepResult]:
+    def _step_on(
+        self, batches: list, scale: torch.Tensor, count: bool
+    ) -> tuple[torch.Tensor, StepResult]:
         """Forward and backward of every micro-batch, then the optimizer step, each a phase
-        of the peak tracker. Returns (the summed loss, the strategy's step result)."""
+        of the peak tracker; with ``count``, what the first micro-batch's forward keeps for
+        backward is counted (``self.activations``). Returns (the summed loss, the strategy's
+        step result)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y, docs) in enumerate(batches):
             with self.strategy.micro_batch(sync=i == len(batches) - 1):
                 self.tracker.phase("forward")
-                loss = self._loss_sum(x, y, docs)
+                with self._counter(count and i == 0) as counter:
+                    loss = self._loss_sum(x, y, docs)
+                if counter is not None:
+                    self.activations = _activation_metrics(counter)
                 self.tracker.phase("backward")
                 scaled = loss * scale
                 self.tracker.watch_backward(scaled)
@@ -226,6 +253,10 @@ class Trainer:
         result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
         self.scheduler.step()
         return loss_sum, result
+
+    def _counter(self, on: bool) -> AbstractContextManager:
+        """Saved-tensor hooks cost time at every op: only on the steps that are logged."""
+        return ActivationMemoryCounter(self._layers) if on else nullcontext()
 
     def _gradient_pass(self, extra, batches: list, scale, tokens, step: int) -> None:
         """The optimizer's extra forward and backward before this step (Sophia's Hessian
@@ -392,6 +423,7 @@ class Trainer:
         out.update(self._mfu(self._last_tps()))
         out["tokens_seen"] = self.state.tokens_seen
         out.update(self._step_memory())
+        out.update(self.activations)
         for kind, value in self.model_state_bytes.items():
             out[f"memory/{kind}_bytes"] = value
         return out
@@ -447,6 +479,7 @@ class Trainer:
             "tokens_per_sec": median_tps,
             **self._mfu(median_tps),
             **self.memory_summary(),
+            **self.activations,
             "model_state_bytes": self.model_state_bytes,
             "comm_bytes_per_step": {k: v / steps for k, v in self.state.comm_per_step.items()},
         }
