@@ -62,7 +62,7 @@ def _states_match(tmp_path, text_corpus, cache_dir, strategy, model, precision):
         "train.max_steps=2",
         "checkpoint.enabled=false",
     ]
-    summary, out = run(tmp_path, strategy, text_corpus, cache_dir, *overrides)
+    summary, _ = run(tmp_path, strategy, text_corpus, cache_dir, *overrides)
     cfg = compose_config(
         [
             "logger=none",
