@@ -24,6 +24,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 @record  # under torchrun, a rank's traceback reaches torchrun's failure report
 def main(dict_cfg: DictConfig) -> float | None:
+    from llm.estimate.startup import announce_estimate
     from llm.launch import external_rank_env, launch
     from llm.validate import validate
 
@@ -35,6 +36,8 @@ def main(dict_cfg: DictConfig) -> float | None:
         cfg = to_dataclass(dict_cfg)
         env = external_rank_env()
         validate(cfg, world_size=env.world_size if env else None)
+        if env is None or env.rank == 0:
+            announce_estimate(cfg, env.world_size if env else cfg.launcher.nproc_per_node)
         summary = launch(cfg)
     except LabError as exc:
         # One line naming the problem and the fix, not a traceback; torchrun's report

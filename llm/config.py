@@ -453,6 +453,36 @@ class CheckpointConfig:
 
 
 @dataclass
+class EstimateConfig:
+    """``python -m llm.estimate`` (docs/recompute.md, "The memory estimator")."""
+
+    json: str | None = None  # also write the figures to this JSON file
+    plan: bool = False  # list the strategy x precision x recompute x micro-batch runs that fit
+    device: str = "cuda"  # what the estimate is for: cuda | cpu (kernels and dropout masks)
+    device_memory_gb: float = 80.0  # per device, in GiB
+    num_devices: int | None = None  # None: launcher.nproc_per_node
+    rank: int = 0  # whose shard to show (ranks differ by a few padding elements)
+    # A model-states-only estimate for a bare parameter count (the ZeRO paper's 7.5e9).
+    num_params: float | None = None
+    # The plan's cost model: sustained matmul FLOP/s per device and collective bandwidth.
+    flops_per_s: float = 400e12
+    bandwidth_gb_s: float = 100.0
+
+    def __post_init__(self) -> None:
+        _require_choice("estimate", "device", self.device, ("cuda", "cpu"))
+        _require_positive(
+            "estimate",
+            device_memory_gb=self.device_memory_gb,
+            num_devices=self.num_devices,
+            num_params=self.num_params,
+            flops_per_s=self.flops_per_s,
+            bandwidth_gb_s=self.bandwidth_gb_s,
+        )
+        if self.rank < 0:
+            raise ConfigError(f"estimate.rank={self.rank} must be >= 0")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -467,6 +497,7 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    estimate: EstimateConfig = field(default_factory=EstimateConfig)
     output_dir: str = "outputs/run"  # conf/config.yaml points it at Hydra's run directory
     sweep_name: str | None = None  # set by train.py under -m: the W&B group
 

@@ -96,3 +96,26 @@ def build_buckets(
         bucket.shard = -(-bucket.numel // world)
         bucket.padded = bucket.shard * world
     return buckets
+
+
+def model_buckets(
+    model: nn.Module, stage: int, bucket_cap_mb: float, working_itemsize: int, world: int
+) -> list[Bucket]:
+    """The buckets of ``model`` (meta or materialised) under ZeRO ``stage`` on ``world``
+    ranks: the strategy builds its buffers from them and llm.estimate sizes them, so the
+    estimate is this layout. Stage 3's gather units are the blocks in order, then the root
+    (everything outside ``model.layers``); stages 1-2 keep model order in one unit."""
+    blocks = list(getattr(model, "layers", []))
+    root = len(blocks) if stage == 3 else 0
+    unit_of = {}
+    if stage == 3:
+        for i, block in enumerate(blocks):
+            for p in block.parameters():
+                unit_of[p] = i
+    # Frozen parameters are bucketed too (apart from trainable ones): stage 3 shards them,
+    # and every stage keeps them in the working dtype.
+    named = [(n, p, unit_of.get(p, root)) for n, p in model.named_parameters()]
+    if stage == 3:
+        named.sort(key=lambda item: item[2])  # blocks in order, then the root
+    bucket_numel = max(1, int(bucket_cap_mb * 2**20 / working_itemsize))
+    return build_buckets(named, bucket_numel, world)

@@ -43,7 +43,7 @@ from llm.parallel.zero import state
 from llm.parallel.zero.buffers import BucketBuffers
 from llm.parallel.zero.collectives import all_gather
 from llm.parallel.zero.gather import UnitGatherer
-from llm.parallel.zero.layout import build_buckets
+from llm.parallel.zero.layout import model_buckets
 from llm.parallel.zero.reducer import GradientReducer
 
 
@@ -73,7 +73,7 @@ class ZeroStrategy(StrategyBase):
         blocks = list(getattr(model, "layers", []))
         root = len(blocks) if self.stage == 3 else 0
         source = ModuleSource(model) if weights is None else weights
-        self.buffers = self._build_buffers(model, blocks, root, source)
+        self.buffers = self._build_buffers(model, source)
         if weights is not None:  # anything no bucket holds (none in our models) comes whole
             materialize_from(model, weights, self.device)
         self._buffers_of = {slot.param: buf for buf in self.buffers for slot in buf.bucket.slots}
@@ -100,21 +100,11 @@ class ZeroStrategy(StrategyBase):
         self.model = model
         return model
 
-    def _build_buffers(
-        self, model: nn.Module, blocks: list, root: int, source: WeightSource
-    ) -> list[BucketBuffers]:
-        unit_of = {}
-        if self.stage == 3:
-            for i, block in enumerate(blocks):
-                for p in block.parameters():
-                    unit_of[p] = i
-        # Frozen parameters are bucketed too (apart from trainable ones): stage 3 shards them,
-        # and every stage keeps them in the working dtype.
-        named = [(n, p, unit_of.get(p, root)) for n, p in model.named_parameters()]
-        if self.stage == 3:
-            named.sort(key=lambda item: item[2])  # blocks in order, then the root
+    def _build_buffers(self, model: nn.Module, source: WeightSource) -> list[BucketBuffers]:
         policy = self.precision
-        bucket_numel = max(1, int(self.cfg.bucket_cap_mb * 2**20 / policy.working_dtype.itemsize))
+        buckets = model_buckets(
+            model, self.stage, self.cfg.bucket_cap_mb, policy.working_dtype.itemsize, self.world
+        )
         master_device = torch.device("cpu") if self.cfg.offload_optimizer else self.device
         return [
             BucketBuffers(
@@ -128,7 +118,7 @@ class ZeroStrategy(StrategyBase):
                 policy.reduce_dtype,
                 source,
             )
-            for bucket in build_buckets(named, bucket_numel, self.world)
+            for bucket in buckets
         ]
 
     def _grad_group(self) -> dist.ProcessGroup | None:

@@ -1,0 +1,306 @@
+"""Bytes autograd saves for backward, per transformer block and outside the blocks, as a pure
+function of the shape: Korthikanti et al. (2022)'s count redone term by term for the blocks
+of llm/models (docs/recompute.md, "The activation formula").
+
+Each term is one storage autograd keeps (views and tensors saved by two ops count once), in
+the dtype it really has. Facts the paper idealises away are parameters of :class:`Kernels`:
+``paper=True`` sets them to the paper's assumptions, under which a GPT-2 block with dropout
+in 16-bit reduces to s·b·h·(34 + 5·a·s/h) bytes (34·s·b·h selective, 2·s·b·h full).
+
+Measured on CPU (tests/test_activation_formula.py, exact equality); CUDA differs only where
+a kernel does (dropout keeps a 1-byte mask; sdpa picks flash/efficient kernels), which is
+derived from torch's kernels, not measured here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llm.errors import ConfigError
+from llm.models import ModelArgs
+from llm.precision import PrecisionPolicy
+
+F32, I64, BOOL = 4, 8, 1
+# Recompute policies this formula knows; ``every`` applies to full.
+RECOMPUTE = ("none", "full", "selective")
+FLASH_LIKE = ("flash", "efficient", "cudnn", "flash_attn", "flex", "triton")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What the kernels in use really save, beyond the structure of the block."""
+
+    norm_stats: bool = True  # LayerNorm saves mean and rstd, RMSNorm its rstd
+    scores_fp32: bool = True  # eager upcasts the scores; softmax saves an fp32 output
+    causal_mask: bool = True  # eager's (s, s) bool mask, saved by masked_fill
+    dropout_mask_bytes: int | None = None  # None: the input's itemsize (CPU), 1: CUDA's bool
+    weight_copies: bool = True  # autocast's casts of weights are saved by matmuls
+    cast_per_consumer: bool = True  # autocast casts an activation once per linear reading it
+
+
+PAPER = Kernels(
+    norm_stats=False,
+    scores_fp32=False,
+    causal_mask=False,
+    dropout_mask_bytes=1,
+    weight_copies=False,
+    cast_per_consumer=False,
+)
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Itemsizes: residual stream (``p``, the parameter dtype) and matmul outputs (``c``)."""
+
+    p: int
+    c: int
+    autocast: bool
+
+    @classmethod
+    def of(cls, policy: PrecisionPolicy) -> Dtypes:
+        autocast = policy.compute_dtype != policy.param_dtype
+        return cls(policy.param_dtype.itemsize, policy.compute_dtype.itemsize, autocast)
+
+
+@dataclass
+class ActivationEstimate:
+    """Per-layer terms (name -> bytes) for a block without and with its recompute, the
+    outside-the-blocks terms, and totals for the whole model on one micro-batch."""
+
+    layer: dict[str, int]  # one block under the chosen recompute policy
+    layer_none: dict[str, int]  # one block with every activation kept
+    outside: dict[str, int]
+    n_layers: int
+    n_recomputed: int = 0  # blocks under full recompute (every=k: n_layers // k)
+    recomputed_layer: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def per_layer(self) -> int:
+        return sum(self.layer.values())
+
+    @property
+    def blocks(self) -> int:
+        kept = (self.n_layers - self.n_recomputed) * sum(self.layer.values())
+        return kept + self.n_recomputed * sum(self.recomputed_layer.values())
+
+    @property
+    def total(self) -> int:
+        return self.blocks + sum(self.outside.values())
+
+
+def sdpa_kernel_used(kernel: str, device: str, dtypes: Dtypes, dropout: bool, head_dim: int) -> str:
+    """The sdpa kernel ``auto`` resolves to. CPU (measured): flash unless dropout, then math.
+    CUDA (torch's priority order): flash for 16-bit, head_dim <= 256; else efficient."""
+    if kernel != "auto":
+        return kernel
+    if device == "cpu":
+        return "math" if dropout else "flash"
+    return "flash" if dtypes.c == 2 and head_dim <= 256 else "efficient"
+
+
+def layer_terms(
+    args: ModelArgs,
+    batch: int,
+    seq: int,
+    policy: PrecisionPolicy,
+    *,
+    backend: str = "sdpa",
+    sdpa_kernel: str = "auto",
+    device: str = "cpu",
+    recompute: str = "none",
+    training: bool = True,
+    paper: bool = False,
+) -> dict[str, int]:
+    """Bytes one block saves for backward, by term, under ``recompute`` (none | selective |
+    full; full's block keeps only its input). ``paper``: the paper's idealised kernels."""
+    if recompute not in RECOMPUTE:
+        raise ConfigError(
+            f"the activation formula knows recompute {', '.join(RECOMPUTE)}, not {recompute!r}"
+        )
+    k = PAPER if paper else Kernels()
+    dt = Dtypes.of(policy)
+    b, s, h = batch, seq, args.d_model
+    if recompute == "full":
+        return {"block.input": b * s * h * dt.p}
+    drop = training and args.dropout > 0
+    mask = k.dropout_mask_bytes or (BOOL if device == "cuda" else None)
+    terms: dict[str, int] = {}
+    terms |= _norm_terms("attn_norm", args, b, s, dt, k)
+    terms["qkv.input"] = _linear_inputs(3, b * s * h, dt, k)
+    if args.family == "llama":
+        terms["rope.cos_sin"] = 2 * s * args.head_dim * dt.c
+    if recompute == "selective":
+        terms |= _kept_qkv(args, b, s, dt)
+    else:
+        kind = backend
+        if backend == "sdpa":
+            kind = sdpa_kernel_used(sdpa_kernel, device, dt, drop, args.head_dim)
+        terms |= _core_terms(kind, args, b, s, dt, k, drop, mask, device)
+    terms["wo.input"] = b * s * h * dt.c  # eager/math: a copy of the transposed output
+    if drop:
+        terms["attn.dropout_mask"] = b * s * h * (mask or dt.c)
+    terms |= _norm_terms("ffn_norm", args, b, s, dt, k)
+    terms |= _mlp_terms(args, b, s, dt, k)
+    if drop:
+        terms["mlp.dropout_mask"] = b * s * h * (mask or dt.c)
+    if dt.autocast and k.weight_copies:
+        terms["autocast.weight_copies"] = _block_weight_numel(args) * dt.c
+    return terms
+
+
+def _norm_terms(name: str, args: ModelArgs, b: int, s: int, dt: Dtypes, k: Kernels) -> dict:
+    """LayerNorm saves its input and (mean, rstd) in the input dtype. Our RMSNorm upcasts:
+    it saves the fp32 input (the input itself when the stream is fp32), the fp32 rstd, and
+    the normalised tensor cast back, which the gain multiplies."""
+    n = b * s * args.d_model
+    if args.family == "gpt2":
+        terms = {f"{name}.input": n * dt.p}
+        if k.norm_stats:
+            terms[f"{name}.mean_rstd"] = 2 * b * s * dt.p
+        return terms
+    terms = {f"{name}.input_fp32": n * F32}
+    if k.norm_stats:
+        terms[f"{name}.rstd"] = b * s * F32
+    terms[f"{name}.normed"] = n * dt.p
+    return terms
+
+
+def _linear_inputs(consumers: int, numel: int, dt: Dtypes, k: Kernels) -> int:
+    """A norm's output read by ``consumers`` linears: one storage, except under autocast,
+    which casts it to the compute dtype once per linear (activations are not cached)."""
+    if dt.autocast:
+        return (consumers if k.cast_per_consumer else 1) * numel * dt.c
+    return numel * dt.p
+
+
+def _kept_qkv(args: ModelArgs, b: int, s: int, dt: Dtypes) -> dict:
+    """Selective recompute keeps the attention core's inputs (after RoPE) and recomputes
+    scores, softmax, dropout and the kernel's outputs."""
+    q = b * s * args.n_heads * args.head_dim * dt.c
+    kv = b * s * args.n_kv_heads * args.head_dim * dt.c
+    return {"core.q": q, "core.k": kv, "core.v": kv}
+
+
+def _core_terms(
+    kind: str,
+    args: ModelArgs,
+    b: int,
+    s: int,
+    dt: Dtypes,
+    k: Kernels,
+    drop: bool,
+    mask: int | None,
+    device: str,
+) -> dict:
+    """The attention core: q, k, v in, (b, a, s, d) out. ``kind``: eager, or the kernel."""
+    a, d = args.n_heads, args.head_dim
+    heads = b * a * s * d  # one (b, a, s, d) tensor's elements
+    scores = b * a * s * s
+    if kind in FLASH_LIKE:
+        kv = b * args.n_kv_heads * s * d * dt.c
+        # CUDA's efficient kernel pads its logsumexp rows to multiples of 32.
+        rows = -(-s // 32) * 32 if kind == "efficient" and device == "cuda" else s
+        # The kernel's output is saved too, but it is laid out (b, s, a, d), so the
+        # transpose-reshape wo reads is a view of it: counted once, as "wo.input".
+        return {
+            "core.q": heads * dt.c,
+            "core.k": kv,
+            "core.v": kv,
+            "core.logsumexp": b * a * rows * F32,
+        }
+    if kind not in ("eager", "math"):
+        raise ConfigError(f"the activation formula has no model of attention kernel {kind!r}")
+    # eager: matmuls save q and the repeated/transposed k, v as (b*a, s, d) copies. math on
+    # CPU upcasts 16-bit inputs to fp32 and computes everything there.
+    m = F32 if kind == "math" and device == "cpu" else dt.c
+    soft = F32 if kind == "eager" and k.scores_fp32 else m
+    terms = {"core.q": heads * m, "core.k": heads * m}
+    if kind == "eager" and k.causal_mask:
+        terms["core.causal_mask"] = s * s * BOOL
+    terms["core.softmax"] = scores * soft
+    if drop:
+        terms["core.dropout_mask"] = scores * (mask or m)
+        terms["core.probs"] = scores * m
+    elif soft != m:
+        terms["core.probs"] = scores * m  # the softmax cast down to v's dtype
+    terms["core.v"] = heads * m
+    return terms
+
+
+def _mlp_terms(args: ModelArgs, b: int, s: int, dt: Dtypes, k: Kernels) -> dict:
+    n, f = b * s * args.d_model, b * s * args.d_ff * dt.c
+    if args.family == "gpt2":
+        return {"mlp.input": _linear_inputs(1, n, dt, k), "mlp.gelu_input": f, "mlp.w2_input": f}
+    return {
+        "mlp.input": _linear_inputs(2, n, dt, k),
+        "mlp.w1_output": f,  # silu's input
+        "mlp.silu_output": f,
+        "mlp.w3_output": f,
+        "mlp.w2_input": f,  # silu(w1 x) * w3 x
+    }
+
+
+def _block_weight_numel(args: ModelArgs) -> int:
+    h, kv, f = args.d_model, args.n_kv_heads * args.head_dim, args.d_ff
+    mlp = (3 if args.family == "llama" else 2) * h * f
+    return 2 * h * h + 2 * h * kv + mlp
+
+
+def outside_terms(
+    args: ModelArgs,
+    batch: int,
+    seq: int,
+    policy: PrecisionPolicy,
+    *,
+    device: str = "cpu",
+    training: bool = True,
+) -> dict[str, int]:
+    """Embeddings, final norm, head and the loss (logits upcast, log-softmax in fp32)."""
+    k, dt = Kernels(), Dtypes.of(policy)
+    b, s, h, v = batch, seq, args.d_model, args.vocab_size
+    terms = {"embed.ids": b * s * I64}
+    if args.family == "gpt2":
+        terms["pos_embed.ids"] = s * I64
+    if training and args.dropout > 0:
+        terms["embed.dropout_mask"] = b * s * h * (BOOL if device == "cuda" else dt.p)
+    terms |= _norm_terms("final_norm", args, b, s, dt, k)
+    terms["head.input"] = _linear_inputs(1, b * s * h, dt, k)
+    if dt.autocast:
+        terms["head.weight_copy"] = v * h * dt.c
+    terms["loss.log_softmax"] = b * s * v * F32
+    terms["loss.targets"] = b * s * I64
+    terms["loss.total_weight"] = F32
+    return terms
+
+
+def estimate_activations(
+    args: ModelArgs,
+    batch: int,
+    seq: int,
+    policy: PrecisionPolicy,
+    *,
+    backend: str = "sdpa",
+    sdpa_kernel: str = "auto",
+    device: str = "cpu",
+    recompute: str = "none",
+    every: int = 1,
+) -> ActivationEstimate:
+    """The whole model's activations for one micro-batch; full recompute with ``every=k``
+    checkpoints blocks k, 2k, ... and keeps the others whole."""
+    kw = dict(backend=backend, sdpa_kernel=sdpa_kernel, device=device)
+    none = layer_terms(args, batch, seq, policy, **kw)
+    if recompute == "full":
+        return ActivationEstimate(
+            layer=none,
+            layer_none=none,
+            outside=outside_terms(args, batch, seq, policy, device=device),
+            n_layers=args.n_layers,
+            n_recomputed=args.n_layers // every,
+            recomputed_layer=layer_terms(args, batch, seq, policy, recompute="full", **kw),
+        )
+    return ActivationEstimate(
+        layer=layer_terms(args, batch, seq, policy, recompute=recompute, **kw),
+        layer_none=none,
+        outside=outside_terms(args, batch, seq, policy, device=device),
+        n_layers=args.n_layers,
+    )

@@ -1,0 +1,33 @@
+"""The estimate train.py prints before a run starts (meta-device arithmetic, no memory),
+and its one-line warning on CUDA when the run will not fit the device."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from llm.config import Config
+from llm.estimate.estimator import GIB, estimate
+from llm.estimate.report import human
+from llm.validate import model_args_for, resolve_device
+
+
+def announce_estimate(cfg: Config, world: int) -> None:
+    """One line of per-rank bytes; on CUDA, a warning when the total passes the device's."""
+    device = resolve_device(cfg)
+    est_cfg = dataclasses.replace(cfg.estimate, device=device.type, num_devices=world)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+        est_cfg.device_memory_gb = memory / GIB
+    run = dataclasses.replace(cfg, estimate=est_cfg)
+    est = estimate(run, model_args_for(cfg, vocab_size=cfg.data.vocab_size))
+    parts = ", ".join(f"{k} {human(v)}" for k, v in est.device.items())
+    print(f"estimate per rank: {parts}; total {human(est.total)} (python -m llm.estimate)")
+    if device.type == "cuda" and not est.fits:
+        print(
+            f"warning: the estimate {human(est.total)} exceeds this GPU's "
+            f"{human(est.device_memory)}; try python -m llm.estimate estimate.plan=true",
+            file=sys.stderr,
+        )

@@ -1,0 +1,155 @@
+"""Bytes of parameters, gradients and optimizer states one rank holds, by strategy, from
+parameter shapes alone (a meta-device model): the figures ``strategy.memory()`` reports
+after a step (its ``state_tensors()``, which the peak tracker classifies by).
+
+Our ZeRO's figures come from the layout the strategy itself builds
+(``llm.parallel.zero.layout.model_buckets``); FSDP2's from its dim-0 sharding (each rank's
+storage padded to ceil(rows/N) rows, the optimizer's states of the unpadded local rows);
+optimizer states from each optimizer's own declaration (``OPTIMIZERS[name].state_bytes``).
+DeepSpeed's are the ZeRO paper's (its own estimators' assumptions), not its buffers' sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from llm.config import OptimizerConfig, ParallelismConfig
+from llm.optim import OPTIMIZERS
+from llm.parallel.zero.layout import model_buckets
+from llm.precision import PrecisionPolicy
+
+KINDS = ("params", "grads", "optimizer_states")
+
+
+@dataclass
+class RankStates:
+    """Device bytes by category, and what an offload moves to host memory."""
+
+    device: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    host: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+
+    @property
+    def total(self) -> int:
+        return sum(self.device.values())
+
+
+def _kind(shape: tuple[int, ...]) -> str:
+    # llm.optim.factory.param_groups: >= 2-D parameters decay ("matrix"), the rest do not.
+    return "matrix" if len(shape) >= 2 else "vector"
+
+
+def _opt_bytes(cfg: OptimizerConfig, shapes: list[tuple[tuple[int, ...], str]]) -> int:
+    spec = OPTIMIZERS[cfg.name]
+    shared = spec.shared_state_bytes([s for s, _ in shapes], cfg) if spec.shared_state_bytes else 0
+    return shared + sum(spec.state_bytes(s, k, cfg) for s, k in shapes)
+
+
+def model_states(
+    model: nn.Module,
+    par: ParallelismConfig,
+    policy: PrecisionPolicy,
+    opt: OptimizerConfig,
+    world: int,
+    rank: int = 0,
+) -> RankStates:
+    """What rank ``rank`` of ``world`` holds under ``par.name`` (deepspeed: ``par.zero_stage``)."""
+    params = list(model.parameters())  # a tied weight once
+    if par.name in ("single", "ddp"):
+        return _replica(params, policy, opt)
+    if par.name == "fsdp":
+        return _fsdp(params, policy, opt, world, rank, par.offload_params)
+    if par.name in ("zero1", "zero2", "zero3"):
+        return _zero(model, par, policy, opt, world, rank)
+    return paper_states(
+        sum(p.numel() for p in params), world, par.zero_stage, policy, opt, par.offload_optimizer
+    )
+
+
+def _replica(params: list[nn.Parameter], policy: PrecisionPolicy, opt: OptimizerConfig):
+    p = policy.param_dtype.itemsize
+    trainable = [x for x in params if x.requires_grad]
+    out = RankStates()
+    out.device["params"] = p * sum(x.numel() for x in params)
+    out.device["grads"] = p * sum(x.numel() for x in trainable)
+    shapes = [(tuple(x.shape), _kind(tuple(x.shape))) for x in trainable]
+    out.device["optimizer_states"] = _opt_bytes(opt, shapes)
+    return out
+
+
+def fsdp_local_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """FSDP2's dim-0 shard of ``rows`` on ``rank``: (rows it holds, rows its storage has,
+    padded to ceil(rows/N))."""
+    chunk = -(-rows // world)
+    return max(0, min(chunk, rows - rank * chunk)), chunk
+
+
+def _fsdp(params, policy, opt, world: int, rank: int, offload: bool) -> RankStates:
+    p = policy.param_dtype.itemsize
+    out = RankStates()
+    where = out.host if offload else out.device
+    shapes = []
+    for x in params:
+        held, padded = fsdp_local_rows(x.shape[0], world, rank)
+        inner = math.prod(x.shape[1:])
+        where["params"] += p * padded * inner
+        if x.requires_grad:
+            where["grads"] += p * padded * inner
+            shapes.append(((held, *x.shape[1:]), _kind(tuple(x.shape))))
+    where["optimizer_states"] += _opt_bytes(opt, shapes)
+    return out
+
+
+def _zero(model, par: ParallelismConfig, policy, opt, world: int, rank: int) -> RankStates:
+    """Mirrors llm/parallel/zero/buffers.py after a step, before zero_grad: the working
+    buffers (stage 3: only the shard; gathered units are freed), the fp32 gradient shard
+    (stage 1 also the persistent working-dtype bucket), the master when it is a separate
+    copy, and the optimizer's state of each piece of the rank's slice."""
+    stage = int(par.name[-1])
+    w, m = policy.working_dtype.itemsize, policy.master_dtype.itemsize
+    buckets = model_buckets(model, stage, par.bucket_cap_mb, w, world)
+    separate = policy.master_dtype != policy.working_dtype or par.offload_optimizer
+    out = RankStates()
+    opt_where = out.host if par.offload_optimizer else out.device
+    shapes = []
+    for b in buckets:
+        out.device["params"] += w * (b.shard if stage == 3 else b.padded)
+        if not b.trainable:
+            continue
+        out.device["grads"] += m * b.shard + (w * b.padded if stage == 1 else 0)
+        if par.offload_optimizer:  # the master's gradient, on the host
+            out.host["grads"] += m * b.shard
+        if separate:
+            opt_where["optimizer_states"] += m * b.shard
+        for piece in b.pieces(rank):
+            kind = _kind(tuple(piece.slot.param.shape))
+            shapes.append(((piece.stop - piece.start,), kind))
+    opt_where["optimizer_states"] += _opt_bytes(opt, shapes)
+    return out
+
+
+def paper_states(
+    n_params: int,
+    world: int,
+    stage: int,
+    policy: PrecisionPolicy,
+    opt: OptimizerConfig,
+    offload_optimizer: bool = False,
+) -> RankStates:
+    """The ZeRO paper's per-rank model states (Rajbhandari et al. 2020, section 3.1):
+    16-bit params and grads (2Φ each), K·Φ of optimizer states (K = fp32 master + the
+    optimizer's own state per element: 12 for Adam), partitioned by stage over N ranks."""
+    w = policy.working_dtype.itemsize
+    k = (policy.master_dtype.itemsize if w < 4 else 0) + OPTIMIZERS[opt.name].state_bytes(
+        (n_params,), "matrix", opt
+    ) / max(1, n_params)
+    n = world
+    params = w * n_params / (n if stage >= 3 else 1)
+    grads = w * n_params / (n if stage >= 2 else 1)
+    states = k * n_params / (n if stage >= 1 else 1)
+    out = RankStates()
+    out.device["params"], out.device["grads"] = round(params), round(grads)
+    (out.host if offload_optimizer else out.device)["optimizer_states"] = round(states)
+    return out
