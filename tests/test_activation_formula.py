@@ -19,7 +19,7 @@ from llm.estimate import estimate_activations, layer_terms, outside_terms
 from llm.memory import ActivationMemoryCounter
 from llm.models import Block, build_model, materialize, model_args
 from llm.precision import resolve_precision
-from llm.recompute import RECOMPUTE_POLICIES, apply_recompute
+from llm.recompute import apply_recompute
 
 CPU = torch.device("cpu")
 B, S = 2, 16
@@ -39,7 +39,9 @@ def _measure_block(family, precision, backend, dropout, recompute="none", kernel
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([Block(args, backend, kernel).to(policy.param_dtype)])
-    apply_recompute(model, RecomputeConfig(name=recompute))
+    every_other = recompute == "op_sac_every_other_mm"
+    name = "op_sac" if every_other else recompute
+    apply_recompute(model, RecomputeConfig(name=name, save_every_other_mm=every_other))
     block = model.layers[0].train()
     x = torch.randn(B, S, args.d_model, dtype=policy.param_dtype, requires_grad=True)
     with ActivationsOnly(block) as counter, policy.autocast(CPU):
@@ -146,14 +148,33 @@ def test_our_deviations_from_the_paper_are_the_named_kernels_facts():
     }
 
 
-@pytest.mark.skipif(
-    "selective" not in RECOMPUTE_POLICIES,
-    reason="TEMPORARY until the recompute branch (selective policy) is merged",
-)
 @pytest.mark.parametrize("family", ["gpt2-tiny", "llama-tiny"])
 @pytest.mark.parametrize(
     "precision,backend,dropout", [("fp32", "eager", 0.1), ("bf16", "sdpa", 0.0)]
 )
 def test_selective_formula_equals_measured(family, precision, backend, dropout):
     measured, formula = _measure_block(family, precision, backend, dropout, "selective")
+    assert measured == sum(formula.values()), formula
+
+
+OP_SAC = ["op_sac", "op_sac_every_other_mm"]
+
+
+@pytest.mark.parametrize("family", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("recompute", OP_SAC)
+@pytest.mark.parametrize(
+    "precision,backend,dropout", [("fp32", "eager", 0.1), ("bf16", "sdpa", 0.0)]
+)
+def test_op_sac_formula_equals_measured(family, precision, backend, dropout, recompute):
+    """What op SAC caches reaches the counter through ``kept_for_backward``: the block input,
+    the kept matmul outputs and the attention kernel's outputs."""
+    measured, formula = _measure_block(family, precision, backend, dropout, recompute)
+    assert measured == sum(formula.values()), formula
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,precision,backend,dropout", GRID)
+@pytest.mark.parametrize("recompute", ["selective", *OP_SAC])
+def test_selective_policies_formula_grid(family, precision, backend, dropout, recompute):
+    measured, formula = _measure_block(family, precision, backend, dropout, recompute)
     assert measured == sum(formula.values()), formula

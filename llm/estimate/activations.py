@@ -21,8 +21,9 @@ from llm.models import ModelArgs
 from llm.precision import PrecisionPolicy
 
 F32, I64, BOOL = 4, 8, 1
-# Recompute policies this formula knows; ``every`` applies to full.
-RECOMPUTE = ("none", "full", "selective")
+# Recompute policies this formula knows; ``every`` applies to full. budget and offload are
+# priced by :func:`estimate_activations` from the ``none`` terms (see there).
+RECOMPUTE = ("none", "full", "selective", "op_sac", "op_sac_every_other_mm")
 FLASH_LIKE = ("flash", "efficient", "cudnn", "flash_attn", "flex", "triton")
 
 
@@ -112,7 +113,8 @@ def layer_terms(
     paper: bool = False,
 ) -> dict[str, int]:
     """Bytes one block saves for backward, by term, under ``recompute`` (none | selective |
-    full; full's block keeps only its input). ``paper``: the paper's idealised kernels."""
+    full | op_sac | op_sac_every_other_mm; full's block keeps only its input). ``paper``: the
+    paper's idealised kernels."""
     if recompute not in RECOMPUTE:
         raise ConfigError(
             f"the activation formula knows recompute {', '.join(RECOMPUTE)}, not {recompute!r}"
@@ -123,6 +125,11 @@ def layer_terms(
     if recompute == "full":
         return {"block.input": b * s * h * dt.p}
     drop = training and args.dropout > 0
+    kind = backend
+    if backend == "sdpa":
+        kind = sdpa_kernel_used(sdpa_kernel, device, dt, drop, args.head_dim)
+    if recompute.startswith("op_sac"):
+        return _op_sac_terms(args, b, s, dt, kind, device, recompute.endswith("every_other_mm"))
     mask = k.dropout_mask_bytes or (BOOL if device == "cuda" else None)
     terms: dict[str, int] = {}
     terms |= _norm_terms("attn_norm", args, b, s, dt, k)
@@ -132,9 +139,6 @@ def layer_terms(
     if recompute == "selective":
         terms |= _kept_qkv(args, b, s, dt)
     else:
-        kind = backend
-        if backend == "sdpa":
-            kind = sdpa_kernel_used(sdpa_kernel, device, dt, drop, args.head_dim)
         terms |= _core_terms(kind, args, b, s, dt, k, drop, mask, device)
     terms["wo.input"] = b * s * h * dt.c  # eager/math: a copy of the transposed output
     if drop:
@@ -227,6 +231,32 @@ def _core_terms(
     return terms
 
 
+def _op_sac_terms(
+    args: ModelArgs, b: int, s: int, dt: Dtypes, kind: str, device: str, every_other_mm: bool
+) -> dict:
+    """op_sac keeps the block's input (the checkpoint's), the outputs of the linear matmuls
+    (with ``every_other_mm`` only the 1st, 3rd, ... in forward order) and of the attention
+    core's kernels (eager/math: the two bmm, scores and probs @ V; fused: the output and its
+    log-sum-exp); norms, casts, activations, RoPE and dropout are recomputed."""
+    h, kv, f = args.d_model, args.n_kv_heads * args.head_dim, args.d_ff
+    mlp = ("w1", "w2") if args.family == "gpt2" else ("w1", "w3", "w2")
+    widths = {"wq": h, "wk": kv, "wv": kv, "wo": h, "w1": f, "w3": f, "w2": h}
+    order = ("wq", "wk", "wv", "wo", *mlp)
+    kept = order[::2] if every_other_mm else order
+    terms = {"block.input": b * s * h * dt.p}
+    terms |= {f"{name}.output": b * s * widths[name] * dt.c for name in kept}
+    heads = b * args.n_heads * s * args.head_dim
+    if kind in FLASH_LIKE:
+        rows = -(-s // 32) * 32 if kind == "efficient" and device == "cuda" else s
+        terms["core.output"] = heads * dt.c
+        terms["core.logsumexp"] = b * args.n_heads * rows * F32
+    else:
+        m = F32 if kind == "math" and device == "cpu" else dt.c
+        terms["core.scores"] = b * args.n_heads * s * s * m
+        terms["core.output"] = heads * m
+    return terms
+
+
 def _mlp_terms(args: ModelArgs, b: int, s: int, dt: Dtypes, k: Kernels) -> dict:
     n, f = b * s * args.d_model, b * s * args.d_ff * dt.c
     if args.family == "gpt2":
@@ -284,11 +314,24 @@ def estimate_activations(
     device: str = "cpu",
     recompute: str = "none",
     every: int = 1,
+    budget: float = 1.0,
 ) -> ActivationEstimate:
     """The whole model's activations for one micro-batch; full recompute with ``every=k``
     checkpoints blocks k, 2k, ... and keeps the others whole."""
     kw = dict(backend=backend, sdpa_kernel=sdpa_kernel, device=device)
     none = layer_terms(args, batch, seq, policy, **kw)
+    if recompute in ("budget", "offload"):
+        # offload: every saved tensor goes to host memory, none stays on the device (the
+        # estimator shows ``layer_none`` in its host column). budget: torch.compile's
+        # partitioner is asked to keep at most ``budget`` of what it keeps by default; its
+        # choice is made at compile time and not derived here, so the target is the figure.
+        share = 0.0 if recompute == "offload" else budget
+        return ActivationEstimate(
+            layer={name: int(n * share) for name, n in none.items()},
+            layer_none=none,
+            outside=outside_terms(args, batch, seq, policy, device=device),
+            n_layers=args.n_layers,
+        )
     if recompute == "full":
         return ActivationEstimate(
             layer=none,

@@ -94,6 +94,9 @@ def estimate(cfg: Config, args, recompute: str | None = None, model=None) -> Est
         return _assemble(cfg, states, None, int(e.num_params), policy, world)
     model = model or meta_model(cfg, args)
     states = model_states(model, par, policy, cfg.optimizer, world, e.rank)
+    name = recompute or cfg.recompute.name
+    if name == "op_sac" and cfg.recompute.save_every_other_mm:
+        name = "op_sac_every_other_mm"
     acts = estimate_activations(
         args,
         cfg.train.micro_batch_size,
@@ -102,9 +105,12 @@ def estimate(cfg: Config, args, recompute: str | None = None, model=None) -> Est
         backend=cfg.attention.backend,
         sdpa_kernel=cfg.attention.sdpa_kernel,
         device=e.device,
-        recompute=recompute or cfg.recompute.name,
+        recompute=name,
         every=cfg.recompute.every,
+        budget=cfg.recompute.memory_budget,
     )
+    if name == "offload":  # the saved tensors live in pinned host memory
+        states.host["activations"] = acts.n_layers * sum(acts.layer_none.values())
     n = sum(p.numel() for p in model.parameters())
     return _assemble(cfg, states, acts, n, policy, world)
 

@@ -2,12 +2,17 @@
 on ``estimate.num_devices`` devices of ``estimate.device_memory_gb``, best first by the
 estimated step time per token under a simple cost model (docs/recompute.md):
 
-    time/token = (1 + recompute) * flops_per_token / (flops_per_s * precision speed)
-                 + comm_bytes_per_step / bandwidth / tokens_per_rank_per_step
+    compute/token = (1 + recompute) * flops_per_token / (flops_per_s * precision speed)
+    comm/token    = comm_bytes_per_step / bandwidth / tokens_per_rank_per_step
+    time/token    = max(compute/token, comm/token)
 
 Recompute adds forward work: full recomputes each checkpointed block's forward (a forward
 is a third of a step's FLOPs, so 1/3 of the block share); selective recomputes only the
-attention core (its score and value matmuls). Communication is not assumed to overlap.
+attention core (its score and value matmuls). Communication overlaps compute, as every
+strategy here arranges (DDP's and our ZeRO's buckets reduce during backward, zero3 and
+FSDP prefetch the next block's parameters), so a run is bound by the slower of the two and
+a bigger micro-batch helps only while communication is the bound. Ties (the same time per
+token) go to the run that leaves the most memory free.
 """
 
 from __future__ import annotations
@@ -69,6 +74,6 @@ def plan(cfg: Config, args: ModelArgs) -> list[Option]:
                     compute = (1 + extra) * per_token / (e.flops_per_s * SPEED[precision])
                     comm = est.comm_bytes / (e.bandwidth_gb_s * 1e9) / (mb * seq)
                     options.append(
-                        Option(strategy, precision, recompute, mb, est, extra, compute + comm)
+                        Option(strategy, precision, recompute, mb, est, extra, max(compute, comm))
                     )
-    return sorted(options, key=lambda o: o.seconds_per_token)
+    return sorted(options, key=lambda o: (o.seconds_per_token, o.estimate.total))
