@@ -65,8 +65,10 @@ def _states_match(tmp_path, text_corpus, cache_dir, strategy, model, precision):
     summary, _ = run(tmp_path, strategy, text_corpus, cache_dir, *overrides)
     # The run's own config (micro-batch, sequence length, byte tokenizer), as train.py sees it.
     cfg = compose_config(
-        small_run_overrides(tmp_path / strategy, text_corpus, cache_dir, *overrides)
-        + ["estimate.device=cpu"]
+        [
+            *small_run_overrides(tmp_path / strategy, text_corpus, cache_dir, *overrides),
+            "estimate.device=cpu",
+        ]
     )
     args = model_args_for(cfg, vocab_size=257)  # the byte tokenizer's vocabulary
     for rank, measured in enumerate(summary["model_state_bytes"]):
