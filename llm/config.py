@@ -100,8 +100,11 @@ LOSS_SCALER_PRESETS = ("deepspeed", "megatron", "torch")
 class ParallelismConfig:
     name: str = "single"  # one of STRATEGY_NAMES
     dp_size: int = -1  # -1: every rank is a data-parallel rank
-    tp_size: int = 1
+    tp_size: int = 1  # tensor parallel ranks (innermost mesh dimension); docs/parallel.md
     pp_size: int = 1
+    # tp_size > 1: norms and dropouts on sequence shards (all-gather / reduce-scatter around
+    # the split layers instead of all-reduce).
+    sequence_parallel: bool = False
     # DDP's all-reduce buckets and our ZeRO's reduce-scatter / all-gather buckets.
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
@@ -141,9 +144,19 @@ class ParallelismConfig:
             raise ConfigError(
                 f"parallelism.dp_size={self.dp_size} must be > 0, or -1 for all ranks"
             )
-        if self.tp_size > 1 or self.pp_size > 1:
+        if self.pp_size > 1:
             raise ConfigError(
-                "parallelism.tp_size/pp_size > 1 is not implemented yet; use tp_size=1 pp_size=1"
+                "parallelism.pp_size > 1 (pipeline parallel) is not implemented yet; use pp_size=1"
+            )
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ConfigError(
+                "parallelism.sequence_parallel=true shards over tensor-parallel ranks; set "
+                "parallelism.tp_size > 1 or sequence_parallel=false"
+            )
+        if self.tp_size > 1 and self.name in ("deepspeed", "zero2", "zero3"):
+            raise ConfigError(
+                f"parallelism={self.name} with tp_size={self.tp_size}: its flat partitions are "
+                "not built over DTensor shards; use single, ddp, fsdp or zero1"
             )
         if not 0 <= self.zero_stage <= 3:
             raise ConfigError(f"parallelism.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")

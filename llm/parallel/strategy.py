@@ -19,6 +19,7 @@ scales each rank's summed loss by dp_size / (target tokens in the global batch).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -41,6 +42,7 @@ from llm.optim import (
 )
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult
+from llm.parallel.tensor_parallel import loss_parallel
 from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 
@@ -53,6 +55,8 @@ class Strategy(Protocol):
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer: ...
 
     def micro_batch(self, sync: bool) -> AbstractContextManager: ...
+
+    def loss_context(self) -> AbstractContextManager: ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
@@ -95,6 +99,11 @@ class StrategyBase:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
+    def loss_context(self) -> AbstractContextManager:
+        """Where the loss is computed and differentiated: under tensor parallel the logits
+        stay vocab-sharded and cross-entropy runs on the shards (``loss_parallel``)."""
+        return loss_parallel() if self.dims.tp_size > 1 else contextlib.nullcontext()
+
     def gradient_pass(self, step: int) -> GradientPass | None:
         """The optimizer's extra gradient pass when step ``step`` (1-based) needs it, else
         None (llm/optim/gradient_pass.py): the Trainer asks, and never names the optimizer."""
@@ -117,10 +126,12 @@ WHY_NOT = {
 }
 
 
-def refuse_optimizer(strategy: str, optimizer: str, zero_stage: int = 0) -> None:
+def refuse_optimizer(strategy: str, optimizer: str, zero_stage: int = 0, tp_size: int = 1) -> None:
     """Refuse, in one line, an optimizer that ``strategy`` cannot run with the updates it gives
     under ``single``; called by llm.validate before ranks start and by each build_optimizer."""
     spec = OPTIMIZERS.get(optimizer)
+    if spec is not None and tp_size > 1:
+        _refuse_under_tensor_parallel(optimizer, spec, tp_size)
     if spec is None or strategy in ("single", "ddp"):
         return
     if strategy == "deepspeed":
@@ -140,6 +151,24 @@ def refuse_optimizer(strategy: str, optimizer: str, zero_stage: int = 0) -> None
         raise ConfigError(
             f"optimizer={optimizer} under parallelism={strategy}: {reason}; use parallelism=ddp"
         )
+
+
+def _refuse_under_tensor_parallel(optimizer: str, spec, tp_size: int) -> None:
+    """Tensor parallel hands each rank column or row blocks of the matrices: only element-wise
+    updates see what they would see whole; an extra gradient pass would sample from
+    vocab-sharded logits."""
+    if spec.gradient_pass:
+        reason = "its extra gradient pass samples from logits that tensor parallel shards by vocab"
+    elif spec.layout == PARAM_NORMS:
+        reason = "its trust ratio needs whole-parameter norms and tensor parallel steps row or column blocks"
+    elif spec.layout != ELEMENTWISE:
+        reason = WHY_NOT[spec.layout].format(strategy="tensor parallel")
+    else:
+        return
+    raise ConfigError(
+        f"optimizer={optimizer} with parallelism.tp_size={tp_size}: {reason}; use an "
+        "element-wise optimizer (adamw) or tp_size=1"
+    )
 
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {}
