@@ -17,7 +17,7 @@ from llm.models import WeightSource, materialize_from
 from llm.optim import GradientPass, build_optimizer, wrap_optimizer
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
 from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
-from llm.parallel.tensor_parallel import local_tensor, tp_copies
+from llm.parallel.tensor_parallel import local_tensor, align_grads, tp_copies
 
 
 @register_strategy("single")
@@ -82,6 +82,7 @@ class SingleStrategy(StrategyBase):
         self.scaler.scale_loss(loss).backward()
 
     def clip_and_step(self, max_norm: float) -> StepResult:
+        align_grads(self.model)
         return overflow_checked_step(
             self.local_grads(),
             max_norm,

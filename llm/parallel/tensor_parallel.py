@@ -42,6 +42,7 @@ __all__ = [
     "local_tensor",
     "loss_parallel",
     "padded_vocab",
+    "align_grads",
     "tp_copies",
 ]
 
@@ -149,6 +150,21 @@ def tp_copies(param: torch.Tensor, tp_size: int) -> int:
     if "tp" not in names:  # FSDP's 1-D dp mesh on a parameter tensor parallel left whole
         return tp_size
     return 1 if param.placements[names.index("tp")].is_shard() else tp_size
+
+
+@torch.no_grad()
+def align_grads(model: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements, so that its local shard is
+    what the norm, clipping and the optimizer read. DTensor's autograd may leave other
+    ones: a ``Partial`` sum for the gains of norms under sequence parallel (each rank saw
+    only its sequence shard: one all-reduce per gain, as Megatron all-reduces layer-norm
+    gradients over the tensor-parallel group), or a ``Replicate`` whole gradient for the
+    vocab-parallel embedding (its backward scatters into the whole table; taking this
+    rank's rows is local)."""
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
