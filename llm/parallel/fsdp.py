@@ -44,6 +44,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+# FSDP2's placement on dp when tensor parallel split dim 0 too; torch exports it nowhere else.
+from torch.distributed.tensor.placement_types import _StridedShard
+
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.models import WeightSource
@@ -167,7 +170,7 @@ def _local_region(param: DTensor) -> list[tuple[int, int]]:
     coordinate = param.device_mesh.get_coordinate()
     for dim in reversed(range(param.device_mesh.ndim)):
         placement = param.placements[dim]
-        if isinstance(placement, Shard):
+        if isinstance(placement, Shard | _StridedShard):
             start, stop = region[placement.dim]
             chunk = -(-(stop - start) // param.device_mesh.size(dim))
             region[placement.dim] = (
