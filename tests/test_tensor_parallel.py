@@ -145,6 +145,31 @@ def test_tp_checkpoint_resumes_in_one_process(tmp_path, reference, tp_on, text_c
     assert_matches(reference("llama-tiny"), out, first_step=STEPS // 2 + 1)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "sequence_parallel"), [("llama-tiny", True), ("gpt2-tiny", False)])
+def test_fsdp_over_dp_times_tensor_parallel(
+    tmp_path, reference, text_corpus, cache_dir, model, sequence_parallel
+):
+    """4 ranks as dp=2 x tp=2 (torchtitan's 2-D): FSDP2 shards the tp shards over the dp
+    sub-mesh (strided dim-0 shards where both split rows), each dp rank reads half the
+    global batch of 8."""
+    summary, out = run(
+        tmp_path,
+        "fsdp_tp",
+        text_corpus,
+        cache_dir,
+        f"model={model}",
+        "parallelism=fsdp",
+        "launcher.nproc_per_node=4",
+        "parallelism.tp_size=2",
+        f"parallelism.sequence_parallel={str(sequence_parallel).lower()}",
+        "train.micro_batch_size=4",
+        f"train.max_steps={STEPS}",
+    )
+    assert summary["tp_size"] == 2 and summary["dp_size"] == 2
+    assert_matches(reference(model), out)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -164,7 +189,8 @@ def test_tp_checkpoint_resumes_in_one_process(tmp_path, reference, tp_on, text_c
             "dp_size*tp_size*pp_size = 3*2*1 != world size 4",
         ),
         (["parallelism=deepspeed", "parallelism.tp_size=2"], "parallelism=deepspeed with tp_size"),
-        (["parallelism=zero3", "parallelism.tp_size=2"], "parallelism=zero3 with tp_size"),
+        (["parallelism=zero1", "parallelism.tp_size=2"], "parallelism=zero1 with tp_size"),
+        (["parallelism=ddp", "parallelism.tp_size=2"], "parallelism=ddp with tp_size"),
         (["parallelism.tp_size=2", "optimizer=muon"], "optimizer=muon with parallelism.tp_size=2"),
         (["parallelism.tp_size=2", "optimizer=lamb"], "optimizer=lamb with parallelism.tp_size=2"),
         (["parallelism.tp_size=2", "optimizer=sophia"], "extra gradient pass samples"),
@@ -174,7 +200,7 @@ def test_tp_checkpoint_resumes_in_one_process(tmp_path, reference, tp_on, text_c
 def test_impossible_tensor_parallel_setups_are_refused(tmp_path, overrides, message):
     """One line each, before any rank starts (4 ranks asked for, none started)."""
     if not any(o.startswith("parallelism=") for o in overrides):
-        overrides = ["parallelism=ddp", *overrides]
+        overrides = ["parallelism=fsdp", *overrides]
     with pytest.raises(ConfigError) as err:
         validate(
             compose_config(
