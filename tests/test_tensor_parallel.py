@@ -22,6 +22,7 @@ from helpers import (
 )
 
 from llm.errors import ConfigError
+from llm.models import model_args
 from llm.validate import validate
 
 STEPS = 4
@@ -88,6 +89,7 @@ def tp_on(tmp_path_factory, text_corpus, cache_dir):
                 model,
                 f"parallelism.sequence_parallel={str(sequence_parallel).lower()}",
                 f"checkpoint.every={STEPS // 2}",
+                "parallelism.count_comm=true",
             )
         return runs[key]
 
@@ -122,6 +124,28 @@ def test_tensor_parallel_matches_single_process(reference, tp_on, model, sequenc
     summary, out = tp_on(model, sequence_parallel)
     assert summary["tp_size"] == 2 and summary["dp_size"] == 1
     assert_matches(reference(model), out)
+
+
+@pytest.mark.parametrize(("model", "sequence_parallel"), [("gpt2-tiny", False), ("llama-tiny", True)])
+def test_tp_collectives_are_megatrons(tp_on, model, sequence_parallel):
+    """Per step (one micro-batch of b x s tokens, fp32), on the tp dimension of the mesh:
+    Megatron's 4 all-reduces of b*s*h per layer (2 forward after the row-parallel layers,
+    2 backward before the column-parallel ones), or under SP 4 all-gathers + 4
+    reduce-scatters of the same size; plus the vocab-parallel embedding (forward) and the
+    LM head's input (backward), and loss_parallel's 3 all-reduces of b*s floats (max,
+    sum of exponentials, target logit)."""
+    summary, _ = tp_on(model, sequence_parallel)
+    args = model_args(model)
+    b, s = 8, 64  # train.micro_batch_size, data.seq_len
+    bsh = b * s * args.d_model * 4
+    activations = (4 * args.n_layers + 2) * bsh
+    loss = 3 * b * s * 4
+    expected = (
+        {"tp.all_gather": activations, "tp.reduce_scatter": activations, "tp.all_reduce": loss}
+        if sequence_parallel
+        else {"tp.all_reduce": activations + loss}
+    )
+    assert summary["comm_bytes_per_step"] == [expected, expected]
 
 
 def test_tp_checkpoint_resumes_in_one_process(tmp_path, reference, tp_on, text_corpus, cache_dir):

@@ -157,7 +157,7 @@ class FSDPStrategy(SingleStrategy):
         yield
 
     def comm(self) -> dict[str, int]:
-        return self.counter.take()
+        return self.counter.take() | self.tp_comm()
 
 
 def _local_region(param: DTensor) -> list[tuple[int, int]]:

@@ -132,4 +132,4 @@ class SingleStrategy(StrategyBase):
         return state_bytes(self.state_tensors())
 
     def comm(self) -> dict[str, int]:
-        return {}
+        return self.tp_comm()

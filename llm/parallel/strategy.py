@@ -40,7 +40,8 @@ from llm.optim import (
     GradientPass,
     gradient_pass,
 )
-from llm.parallel.mesh import ParallelDims
+from llm.parallel.comm_counter import MeshCommCounter
+from llm.parallel.mesh import MESH_DIMS, ParallelDims
 from llm.parallel.step import StepResult
 from llm.parallel.tensor_parallel import loss_parallel
 from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
@@ -56,7 +57,7 @@ class Strategy(Protocol):
 
     def micro_batch(self, sync: bool) -> AbstractContextManager: ...
 
-    def loss_context(self) -> AbstractContextManager: ...
+    def loss_context(self, training: bool = True) -> AbstractContextManager: ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
@@ -98,11 +99,25 @@ class StrategyBase:
         self.scaler = loss_scaler or disabled_loss_scaler()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self._mesh_counter: MeshCommCounter | None = None
 
-    def loss_context(self) -> AbstractContextManager:
-        """Where the loss is computed and differentiated: under tensor parallel the logits
-        stay vocab-sharded and cross-entropy runs on the shards (``loss_parallel``)."""
-        return loss_parallel() if self.dims.tp_size > 1 else contextlib.nullcontext()
+    def loss_context(self, training: bool = True) -> AbstractContextManager:
+        """Where the forward, the loss and (``training``) the backward run: under tensor
+        parallel the logits stay vocab-sharded and cross-entropy runs on the shards
+        (``loss_parallel``), and with parallelism.count_comm a training step's DTensor
+        collectives are counted by mesh dimension (``tp_comm()``)."""
+        stack = contextlib.ExitStack()
+        if self.dims.tp_size > 1:
+            stack.enter_context(loss_parallel())
+            if training and self.cfg.count_comm:
+                if self._mesh_counter is None:
+                    self._mesh_counter = MeshCommCounter(self.dims.mesh, MESH_DIMS)
+                stack.enter_context(self._mesh_counter)
+        return stack
+
+    def tp_comm(self) -> dict[str, int]:
+        """Bytes of the DTensor collectives counted since the last call (tensor parallel)."""
+        return {} if self._mesh_counter is None else self._mesh_counter.take()
 
     def gradient_pass(self, step: int) -> GradientPass | None:
         """The optimizer's extra gradient pass when step ``step`` (1-based) needs it, else

@@ -292,7 +292,7 @@ class Trainer:
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in self.val_loader:
             x, y, docs = self._batch_to(batch, lambda t: t.to(self.device))
-            with self.strategy.loss_context():
+            with self.strategy.loss_context(training=False):
                 loss_sum += self._loss_sum(x, y, docs)
             tokens += (y != IGNORE).sum()
         self.model.train()
