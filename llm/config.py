@@ -101,7 +101,10 @@ _NOT_WITH_TP = {
     "ddp": "DDP on a dp sub-mesh swaps the DTensor parameters for new local ones at every "
     "forward, which the optimizer, checkpoints and tied embeddings here do not follow",
     "deepspeed": "its engine partitions plain tensors, not DTensor shards",
-    **{f"zero{s}": "our ZeRO's flat buckets hold plain tensors, not DTensor shards" for s in (1, 2, 3)},
+    **{
+        f"zero{s}": "our ZeRO's flat buckets hold plain tensors, not DTensor shards"
+        for s in (1, 2, 3)
+    },
 }
 
 

@@ -1,6 +1,6 @@
-"""One rank's run: dist init -> model (meta) -> tensor parallel -> recompute -> precision -> strategy.wrap
-(shards, then materialises this rank's part) -> compile -> optimizer -> data -> Trainer.fit
--> summary.json."""
+"""One rank's run: dist init -> model (meta) -> tensor parallel -> recompute -> precision
+-> strategy.wrap (shards, then materialises this rank's part) -> compile -> optimizer -> data
+-> Trainer.fit -> summary.json."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def test_every_experiment_composes(experiment):
         (["model.init_from=/does/not/exist"], "model.init_from=/does/not/exist is not a directory"),
         (["data=files"], "data=files needs data.path"),
         (["model.name=gpt5"], "gpt5"),
-        (["parallelism.tp_size=2"], "not implemented yet"),
+        (["parallelism.pp_size=2"], "not implemented yet"),
     ],
 )
 def test_impossible_configs_are_refused(overrides, message):

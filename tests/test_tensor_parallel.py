@@ -126,7 +126,9 @@ def test_tensor_parallel_matches_single_process(reference, tp_on, model, sequenc
     assert_matches(reference(model), out)
 
 
-@pytest.mark.parametrize(("model", "sequence_parallel"), [("gpt2-tiny", False), ("llama-tiny", True)])
+@pytest.mark.parametrize(
+    ("model", "sequence_parallel"), [("gpt2-tiny", False), ("llama-tiny", True)]
+)
 def test_tp_collectives_are_megatrons(tp_on, model, sequence_parallel):
     """Per step (one micro-batch of b x s tokens, fp32), on the tp dimension of the mesh:
     Megatron's 4 all-reduces of b*s*h per layer (2 forward after the row-parallel layers,
@@ -170,7 +172,9 @@ def test_tp_checkpoint_resumes_in_one_process(tmp_path, reference, tp_on, text_c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "sequence_parallel"), [("llama-tiny", True), ("gpt2-tiny", False)])
+@pytest.mark.parametrize(
+    ("model", "sequence_parallel"), [("llama-tiny", True), ("gpt2-tiny", False)]
+)
 def test_fsdp_over_dp_times_tensor_parallel(
     tmp_path, reference, text_corpus, cache_dir, model, sequence_parallel
 ):

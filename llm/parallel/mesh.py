@@ -77,7 +77,11 @@ class ParallelDims:
 
     def dp_mesh(self) -> DeviceMesh:
         """The data-parallel sub-mesh: (dp_replicate, dp_shard) under HSDP, else dp_shard."""
-        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+        return (
+            self.mesh["dp_replicate", "dp_shard"]
+            if self.dp_replicate > 1
+            else self.mesh["dp_shard"]
+        )
 
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh["tp"]

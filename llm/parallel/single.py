@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -17,7 +16,7 @@ from llm.models import WeightSource, materialize_from
 from llm.optim import GradientPass, build_optimizer, wrap_optimizer
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
 from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
-from llm.parallel.tensor_parallel import local_tensor, align_grads, tp_copies
+from llm.parallel.tensor_parallel import align_grads, local_tensor, tp_copies
 
 
 @register_strategy("single")

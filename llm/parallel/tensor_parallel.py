@@ -36,13 +36,13 @@ from llm.errors import ConfigError
 from llm.models.args import ModelArgs
 
 __all__ = [
+    "align_grads",
     "apply_tensor_parallel",
     "check_tensor_parallel",
     "local_loss",
     "local_tensor",
     "loss_parallel",
     "padded_vocab",
-    "align_grads",
     "tp_copies",
 ]
 

@@ -219,7 +219,10 @@ class Trainer:
         of the peak tracker. Returns (the summed loss, the strategy's step result)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y, docs) in enumerate(batches):
-            with self.strategy.micro_batch(sync=i == len(batches) - 1), self.strategy.loss_context():
+            with (
+                self.strategy.micro_batch(sync=i == len(batches) - 1),
+                self.strategy.loss_context(),
+            ):
                 self.tracker.phase("forward")
                 loss = self._loss_sum(x, y, docs)
                 self.tracker.phase("backward")
