@@ -79,8 +79,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     tp = cfg.parallelism.tp_size
     if cfg.parallelism.name == "single" and nproc > tp:
         raise ConfigError(
-            f"parallelism=single runs one data-parallel rank of tp_size={tp} processes but "
-            f"{nproc} ranks were asked for; use parallelism=ddp or launcher.nproc_per_node={tp}"
+            f"parallelism=single runs one process (one per tensor-parallel rank: tp_size={tp}) "
+            f"but {nproc} ranks were asked for; use parallelism=ddp or "
+            f"launcher.nproc_per_node={tp}"
         )
     if device.type == "cpu" and world_size is None:
         _check_cpu_ranks(nproc, cfg.launcher.allow_oversubscribe)
