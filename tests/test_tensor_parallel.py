@@ -198,6 +198,37 @@ def test_fsdp_over_dp_times_tensor_parallel(
     assert_matches(reference(model), out)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_bf16_tracks_one_process_in_bf16(tmp_path, text_corpus, cache_dir):
+    """Under bf16 autocast the row-parallel partial sums are rounded to bf16 before they
+    are added, so tp differs from one process by bf16 rounding, not by fp32 summation
+    order: 1e-2 relative on losses (the loss falls by ~10% over these steps)."""
+    bf16 = ("precision=bf16", f"model.vocab_size={PADDED_VOCAB}")
+    _, ref_out = run(
+        tmp_path,
+        "single",
+        text_corpus,
+        cache_dir,
+        "model=llama-tiny",
+        "train.micro_batch_size=8",
+        f"train.max_steps={STEPS}",
+        *bf16,
+    )
+    _, out = tp_run(
+        tmp_path,
+        "tp",
+        text_corpus,
+        cache_dir,
+        "llama-tiny",
+        "parallelism.sequence_parallel=true",
+        *bf16,
+    )
+    ref, got = train_losses(ref_out), train_losses(out)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-2), step
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
