@@ -201,8 +201,9 @@ def test_fsdp_over_dp_times_tensor_parallel(
 @pytest.mark.slow
 def test_tensor_parallel_bf16_tracks_one_process_in_bf16(tmp_path, text_corpus, cache_dir):
     """Under bf16 autocast the row-parallel partial sums are rounded to bf16 before they
-    are added, so tp differs from one process by bf16 rounding, not by fp32 summation
-    order: 1e-2 relative on losses (the loss falls by ~10% over these steps)."""
+    are added, so tp differs from one process by bf16 rounding, not only by fp32 summation
+    order: measured at most 1.4e-5 relative over these steps, so 1e-3 leaves room yet
+    catches a wrong split (the loss falls by 9% over these steps)."""
     bf16 = ("precision=bf16", f"model.vocab_size={PADDED_VOCAB}")
     _, ref_out = run(
         tmp_path,
@@ -226,7 +227,7 @@ def test_tensor_parallel_bf16_tracks_one_process_in_bf16(tmp_path, text_corpus, 
     ref, got = train_losses(ref_out), train_losses(out)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
-        assert got[step] == pytest.approx(ref[step], rel=1e-2), step
+        assert got[step] == pytest.approx(ref[step], rel=1e-3), step
 
 
 @pytest.mark.parametrize(
