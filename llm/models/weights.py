@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+
+# What DTensor itself uses to place a shard; torch 2.13 exports it from no public module.
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils import swap_tensors
 
