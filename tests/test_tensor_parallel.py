@@ -9,7 +9,10 @@ softmax), hence 1e-5 relative on losses and gradient norms, 1e-4 on weights.
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from helpers import (
     assert_close_weights,
     compose_config,
@@ -23,6 +26,7 @@ from helpers import (
 
 from llm.errors import ConfigError
 from llm.models import model_args
+from llm.parallel.step import global_grad_norm
 from llm.validate import validate
 
 STEPS = 4
@@ -169,6 +173,14 @@ def test_tp_checkpoint_resumes_in_one_process(tmp_path, reference, tp_on, text_c
     )
     assert summary["world_size"] == 1
     assert_matches(reference("llama-tiny"), out, first_step=STEPS // 2 + 1)
+
+
+def test_grad_norm_divides_each_gradient_by_its_own_replicas():
+    """A split weight counts once, a tp-replicated gain once per tp copy: sum of squares
+    over the ranks divided per gradient, the whole model's norm."""
+    split, gain = torch.full((4,), 3.0), torch.full((2,), 4.0)
+    norm = global_grad_norm([split, gain], torch.device("cpu"), grad_replicas=[1, 2])
+    assert norm.item() == pytest.approx(math.sqrt(4 * 9 + 2 * 16 / 2))
 
 
 @pytest.mark.slow
