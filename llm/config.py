@@ -96,12 +96,27 @@ STRATEGY_NAMES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed
 LOSS_SCALER_PRESETS = ("deepspeed", "megatron", "torch")
 
 
+# Why a data-parallel strategy does not compose with tensor parallel (docs/parallel.md).
+_NOT_WITH_TP = {
+    "ddp": "DDP on a dp sub-mesh swaps the DTensor parameters for new local ones at every "
+    "forward, which the optimizer, checkpoints and tied embeddings here do not follow",
+    "deepspeed": "its engine partitions plain tensors, not DTensor shards",
+    **{
+        f"zero{s}": "our ZeRO's flat buckets hold plain tensors, not DTensor shards"
+        for s in (1, 2, 3)
+    },
+}
+
+
 @dataclass
 class ParallelismConfig:
     name: str = "single"  # one of STRATEGY_NAMES
     dp_size: int = -1  # -1: every rank is a data-parallel rank
-    tp_size: int = 1
+    tp_size: int = 1  # tensor parallel ranks (innermost mesh dimension); docs/parallel.md
     pp_size: int = 1
+    # tp_size > 1: norms and dropouts on sequence shards (all-gather / reduce-scatter around
+    # the split layers instead of all-reduce).
+    sequence_parallel: bool = False
     # DDP's all-reduce buckets and our ZeRO's reduce-scatter / all-gather buckets.
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
@@ -141,9 +156,19 @@ class ParallelismConfig:
             raise ConfigError(
                 f"parallelism.dp_size={self.dp_size} must be > 0, or -1 for all ranks"
             )
-        if self.tp_size > 1 or self.pp_size > 1:
+        if self.pp_size > 1:
             raise ConfigError(
-                "parallelism.tp_size/pp_size > 1 is not implemented yet; use tp_size=1 pp_size=1"
+                "parallelism.pp_size > 1 (pipeline parallel) is not implemented yet; use pp_size=1"
+            )
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ConfigError(
+                "parallelism.sequence_parallel=true shards over tensor-parallel ranks; set "
+                "parallelism.tp_size > 1 or sequence_parallel=false"
+            )
+        if self.tp_size > 1 and self.name not in ("single", "fsdp"):
+            raise ConfigError(
+                f"parallelism={self.name} with tp_size={self.tp_size}: {_NOT_WITH_TP[self.name]}; "
+                "use parallelism=fsdp for dp x tp, or single for tp alone"
             )
         if not 0 <= self.zero_stage <= 3:
             raise ConfigError(f"parallelism.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")

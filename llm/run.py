@@ -1,6 +1,6 @@
-"""One rank's run: dist init -> model (meta) -> recompute -> precision -> strategy.wrap
-(shards, then materialises this rank's part) -> compile -> optimizer -> data -> Trainer.fit
--> summary.json."""
+"""One rank's run: dist init -> model (meta) -> tensor parallel -> recompute -> precision
+-> strategy.wrap (shards, then materialises this rank's part) -> compile -> optimizer -> data
+-> Trainer.fit -> summary.json."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from llm.models import (
 )
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.tensor_parallel import apply_tensor_parallel, padded_vocab
 from llm.precision import apply_precision, build_loss_scaler, resolve_precision
 from llm.recompute import apply_recompute, recompute_policy
 from llm.run_dir_lock import RunDirLock
@@ -92,12 +93,15 @@ def hardware(device: torch.device) -> dict:
 
 def build_model_for(cfg: Config, vocab_size: int) -> tuple[Transformer, WeightSource]:
     """The model on the meta device and where its initial weights come from: a Hugging Face
-    directory (read slice by slice) or our seeded init."""
+    directory (read slice by slice) or our seeded init. Under tensor parallel our init pads
+    the vocabulary to a multiple of tp_size."""
     if cfg.model.init_from is not None:
         weights = HFSource(cfg.model.init_from)
         args = weights.args
     else:
         args = model_args_for(cfg, vocab_size)
+        vocab = padded_vocab(args.vocab_size, cfg.parallelism.tp_size)
+        args = dataclasses.replace(args, vocab_size=vocab)
         weights = InitSource(args, cfg.train.seed)
     a = cfg.attention
     model = build_model(args, a.backend, a.sdpa_kernel, a.reset_positions)
@@ -160,6 +164,8 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
         cfg.parallelism.pp_size,
         env.world_size,
         env.rank,
+        dp_replicate=cfg.parallelism.replicate,
+        device_type=device.type,
     )
     output_dir = Path(cfg.output_dir)
 
@@ -172,10 +178,13 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
             f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
             f"{prepared.tokenizer.vocab_size}; set model.vocab_size or use another data.tokenizer"
         )
-    freeze(model, cfg.model.freeze)  # before any strategy sees which parameters train
     # Fixed order (torchtitan): everything up to wrap() happens on the meta device (no
-    # storage); wrap() shards first and then allocates and fills only what this rank holds,
-    # so under zero3 and fsdp the unsharded model never exists on any rank.
+    # storage): tensor parallel, recompute, precision, then wrap() shards over dp and
+    # allocates and fills only what this rank holds, so under tp, zero3 and fsdp the
+    # unsharded model never exists on any rank. Compile comes after wrap (below).
+    if dims.tp_size > 1:
+        model = apply_tensor_parallel(model, dims.tp_mesh(), cfg.parallelism.sequence_parallel)
+    freeze(model, cfg.model.freeze)  # before any strategy sees which parameters train
     recompute = recompute_policy(cfg.recompute)
     model = apply_recompute(model, cfg.recompute, recompute)
     model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears
@@ -286,6 +295,7 @@ def _run_facts(
         **_memory_facts(summary),
         "world_size": env.world_size,
         "dp_size": dims.dp_size,
+        "tp_size": dims.tp_size,
         "strategy": cfg.parallelism.name,
         "precision": precision.name,
         "model": cfg.model.name,

@@ -17,7 +17,9 @@ from llm.config import Config
 from llm.errors import ConfigError
 from llm.models import HFSource, ModelArgs, build_model, freeze, model_args
 from llm.optim import OPTIMIZERS
+from llm.parallel.mesh import ParallelDims
 from llm.parallel.strategy import refuse_optimizer
+from llm.parallel.tensor_parallel import check_tensor_parallel
 from llm.precision import resolve_precision
 from llm.train.checkpoint_files import META, list_checkpoints, step_of
 
@@ -74,10 +76,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"launcher.nproc_per_node={nproc} but only {torch.cuda.device_count()} GPU(s) are "
             "visible; lower launcher.nproc_per_node or use train.device=cpu"
         )
-    if cfg.parallelism.name == "single" and nproc > 1:
+    tp = cfg.parallelism.tp_size
+    if cfg.parallelism.name == "single" and nproc > tp:
         raise ConfigError(
-            f"parallelism=single runs one process but {nproc} ranks were asked for; "
-            "use parallelism=ddp or launcher.nproc_per_node=1"
+            f"parallelism=single runs one process (one per tensor-parallel rank: tp_size={tp}) "
+            f"but {nproc} ranks were asked for; use parallelism=ddp or "
+            f"launcher.nproc_per_node={tp}"
         )
     if device.type == "cpu" and world_size is None:
         _check_cpu_ranks(nproc, cfg.launcher.allow_oversubscribe)
@@ -91,6 +95,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     if cfg.model.init_from is not None:
         args = HFSource(cfg.model.init_from).args
+        if args.vocab_size % tp:
+            raise ConfigError(
+                f"model.init_from's vocab_size={args.vocab_size} is not divisible by "
+                f"parallelism.tp_size={tp} (padding applies to our init only); pick a tp_size "
+                "dividing it"
+            )
+    p = cfg.parallelism
+    check_tensor_parallel(args, tp, cfg.data.seq_len, p.sequence_parallel)
     _validate_attention(cfg, args, precision.compute_dtype, device)
     _validate_recompute(cfg, device)
 
@@ -153,13 +165,20 @@ def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device)
             f"optimizer.name={cfg.optimizer.name!r} is unknown; choose one of "
             f"{', '.join(sorted(OPTIMIZERS))}"
         )
-    refuse_optimizer(name, cfg.optimizer.name, cfg.parallelism.zero_stage)
+    p = cfg.parallelism
+    refuse_optimizer(name, cfg.optimizer.name, p.zero_stage, p.tp_size)
+    ParallelDims.from_config(p.dp_size, p.tp_size, p.pp_size, nproc)  # dp*tp*pp == world
+    if p.tp_size > 1 and precision.fp8:
+        raise ConfigError(
+            f"precision={precision.name} with parallelism.tp_size={p.tp_size}: float8 linears "
+            "are not combined with DTensor's split linears here; use precision=bf16"
+        )
     if cfg.optimizer.name == "adamw8bit" and precision.update_rounding is not None:
         raise ConfigError(
             f"optimizer=adamw8bit with precision={precision.name}: its rounded update would "
             "round bitsandbytes' fp32 block scales too; use precision=bf16"
         )
-    dp = nproc if cfg.parallelism.dp_size == -1 else cfg.parallelism.dp_size
+    dp = nproc // (p.tp_size * p.pp_size) if p.dp_size == -1 else p.dp_size
     if name == "fsdp":
         from llm.parallel.fsdp import refuse_impossible
 

@@ -79,6 +79,9 @@ class Attention(nn.Module):
         super().__init__()
         get_kernel(backend, sdpa_kernel)  # an unknown name fails at build time, not at a step
         self.args, self.backend, self.kernel = args, backend, sdpa_kernel
+        # Heads this module computes: all of them, or this rank's share once tensor parallel
+        # splits wq/wk/wv by columns (llm/parallel/tensor_parallel.py divides both).
+        self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
         bias = args.family == "gpt2"
         kv_dim = args.n_kv_heads * args.head_dim
         self.wq = nn.Linear(args.d_model, args.d_model, bias=bias)
@@ -96,9 +99,9 @@ class Attention(nn.Module):
         RoPE when they restart at each document."""
         b, t, _ = x.shape  # (B, T, d)
         a = self.args
-        q = self.wq(x).view(b, t, a.n_heads, a.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.wk(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.wv(x).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = self.wq(x).view(b, t, self.n_heads, a.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(b, t, self.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.wv(x).view(b, t, self.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         if a.family == "llama":
             # Recomputed per call from the shape (a few T x D/2 ops): no buffer for to_empty to
             # leave as garbage or for .to(bf16) to round.
@@ -112,7 +115,7 @@ class Attention(nn.Module):
         # it saves.
         run_core = partial(checkpoint, core, use_reentrant=False) if self.recompute_core else core
         y = run_core(q, k, v)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(b, t, a.d_model)
+        y = y.transpose(1, 2).reshape(b, t, self.n_heads * a.head_dim)
         return self.resid_dropout(self.wo(y))
 
 

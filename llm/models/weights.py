@@ -19,6 +19,10 @@ from typing import Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+# What DTensor itself uses to place a shard; torch 2.13 exports it from no public module.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils import swap_tensors
 
 from llm.models.args import ModelArgs
@@ -133,13 +137,35 @@ def adopt(param: nn.Parameter, value: Tensor) -> None:
     param.data = value
 
 
+def local_block(weights: WeightSource, name: str, param: DTensor, device) -> Tensor:
+    """The part of parameter ``name`` that this rank's shard of DTensor ``param`` covers (on
+    any mesh whose placements are Shard or Replicate: tensor parallel's column and row
+    splits). A row range is read as rows; a column range costs the whole parameter once."""
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    block = weights.rows(name, offset[0], offset[0] + shape[0], device)
+    for dim in range(1, len(shape)):
+        if shape[dim] != param.shape[dim]:
+            block = block.narrow(dim, offset[dim], shape[dim])
+    return block
+
+
 @torch.no_grad()
 def materialize_from(model: nn.Module, weights: WeightSource, device: torch.device) -> nn.Module:
     """Allocate every parameter of ``model`` still on the meta device on ``device`` (in its
-    dtype) and fill it from ``weights``, one parameter at a time; tied weights stay tied."""
+    dtype) and fill it from ``weights``, one parameter at a time; tied weights stay tied. A
+    DTensor parameter (tensor parallel) gets only this rank's shard."""
     device = torch.device(device)
     for name, param in model.named_parameters():
-        if param.is_meta:
+        if isinstance(param, DTensor) and param.is_meta:
+            local = torch.empty(param.to_local().shape, dtype=param.dtype, device=device)
+            local.copy_(local_block(weights, name, param, device))
+            value = DTensor.from_local(
+                local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+            )
+            swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+        elif param.is_meta:
             value = torch.empty(param.shape, dtype=param.dtype, device=device)
             value.copy_(weights.whole(name, device))
             adopt(param, value)

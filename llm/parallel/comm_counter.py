@@ -25,10 +25,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 # The interfaces set_custom_all_gather/_reduce_scatter take; torch 2.13 exports them nowhere else.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class CommCounter:
@@ -87,3 +90,47 @@ def count_fsdp_collectives(model: nn.Module, counter: CommCounter, hsdp: bool) -
             module.set_custom_reduce_scatter(reduce_scatter)
             if hsdp:
                 module.set_all_reduce_hook(counter.all_reduce_hook)
+
+
+_FUNCOL = torch.ops._c10d_functional
+# DTensor's collectives (torch.distributed._functional_collectives): how many of their
+# arguments name the group, and what their payload is, by the convention above.
+_FUNCTIONAL_KINDS = {
+    _FUNCOL.all_reduce.default: "all_reduce",
+    _FUNCOL.all_reduce_.default: "all_reduce",
+    _FUNCOL.all_gather_into_tensor.default: "all_gather",
+    _FUNCOL.reduce_scatter_tensor.default: "reduce_scatter",
+}
+
+
+class MeshCommCounter(TorchDispatchMode):
+    """While active, counts the payload of every functional collective (what DTensor's
+    redistributions and ``loss_parallel`` issue, in forward and in backward) by the mesh
+    dimension whose group it runs on: ``{"tp.all_reduce": bytes, ...}``."""
+
+    def __init__(self, mesh: DeviceMesh, dims: Sequence[str]) -> None:
+        super().__init__()
+        self.counter = CommCounter()
+        self._dim_of = {mesh.get_group(d).group_name: d for d in dims}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # DTensor's own dispatch runs next with this mode still active (as CommDebugMode
+            # does): the collectives inside its op handlers (loss_parallel's softmax sums,
+            # implicit redistributions) reach this mode as plain-tensor ops.
+            return NotImplemented
+        kind = _FUNCTIONAL_KINDS.get(func)
+        if kind is not None:
+            group = kwargs["group_name"] if kwargs and "group_name" in kwargs else args[-1]
+            dim = self._dim_of.get(group, "other")
+            tensor = args[0]
+            if kind == "all_gather":  # the output: group size times the input
+                self.counter._sent[f"{dim}.{kind}"] += (
+                    tensor.numel() * tensor.element_size() * args[1]
+                )
+            else:
+                self.counter.add(f"{dim}.{kind}", tensor)
+        return func(*args, **(kwargs or {}))
+
+    def take(self) -> dict[str, int]:
+        return self.counter.take()

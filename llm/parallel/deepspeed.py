@@ -177,6 +177,10 @@ class DeepSpeedStrategy:
         self.engine.set_gradient_accumulation_boundary(sync)
         return contextlib.nullcontext()
 
+    def loss_context(self, training: bool = True):
+        # Tensor parallel is refused with DeepSpeed: the loss is plain cross-entropy.
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor) -> None:
         if loss.requires_grad:
             loss.register_hook(self._count_grads_when_backward_ends)

@@ -29,11 +29,12 @@ run on local shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -41,7 +42,10 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+# FSDP2's placement on dp when tensor parallel split dim 0 too; torch exports it nowhere else.
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
@@ -50,11 +54,6 @@ from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
 from llm.parallel.param_norms import summed_norms
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The shard this rank holds; in-place ops on it change the DTensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def refuse_impossible(replicate: int, dp_size: int) -> None:
@@ -77,15 +76,11 @@ class FSDPStrategy(SingleStrategy):
         self.counter = CommCounter()
 
     def _mesh(self) -> DeviceMesh:
-        replicate = self.cfg.replicate
-        if replicate == 1:
-            return init_device_mesh(self.device.type, (self.dims.dp_size,), mesh_dim_names=("dp",))
-        # fully_shard reads a 2-D mesh as (replicate, shard): HSDP.
-        return init_device_mesh(
-            self.device.type,
-            (replicate, self.dims.dp_size // replicate),
-            mesh_dim_names=("dp_replicate", "dp_shard"),
-        )
+        """The dp sub-mesh of the run's mesh; fully_shard reads a 2-D one as (replicate,
+        shard): HSDP."""
+        if self.dims.dp_replicate != self.cfg.replicate:  # dims built without the option
+            self.dims = dataclasses.replace(self.dims, dp_replicate=self.cfg.replicate)
+        return self.dims.dp_mesh()
 
     def _mixed_precision(self) -> MixedPrecisionPolicy:
         p = self.precision
@@ -134,10 +129,9 @@ class FSDPStrategy(SingleStrategy):
         # With parameter offload FSDP2 keeps the shards in host memory.
         model.to_empty(device="cpu" if self.cfg.offload_params else self.device)
         for name, param in model.named_parameters():
-            local = _local(param)
-            start, stop = _dim0_rows(param)
-            if stop > start:
-                local.copy_(weights.rows(name, start, stop, local.device))
+            local = param.to_local()
+            if local.numel():
+                local.copy_(_block(weights, name, _local_region(param), local.device))
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         optimizer = super().build_optimizer(model, cfg)
@@ -151,19 +145,9 @@ class FSDPStrategy(SingleStrategy):
         return optimizer
 
     @property
-    def grad_replicas(self) -> int:
+    def dp_replicas(self) -> int:
         # Each gradient shard exists once per replica row (HSDP), once in plain FSDP.
         return self.cfg.replicate
-
-    def local_grads(self) -> list[torch.Tensor]:
-        return [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
-
-    def nonfinite_grad_names(self) -> list[str]:
-        return [
-            name
-            for name, p in self.model.named_parameters()
-            if p.grad is not None and not torch.isfinite(_local(p.grad)).all()
-        ]
 
     @contextlib.contextmanager
     def micro_batch(self, sync: bool):
@@ -173,26 +157,39 @@ class FSDPStrategy(SingleStrategy):
         yield
 
     def comm(self) -> dict[str, int]:
-        return self.counter.take()
+        return self.counter.take() | self.tp_comm()
 
 
-def _dim0_rows(param: DTensor) -> tuple[int, int]:
-    """The global dim-0 rows [start, stop) of ``param`` this rank holds. FSDP2 shards dim 0
+def _local_region(param: DTensor) -> list[tuple[int, int]]:
+    """The global [start, stop) of ``param``'s local shard along each dim. FSDP2 shards dim 0
     as torch.chunk does (ceil(rows / n) per rank, the last ones shorter or empty) on each
-    mesh dimension whose placement is Shard(0); Replicate (HSDP's outer dimension) keeps
-    the range."""
-    start, stop = 0, param.shape[0]
+    mesh dimension whose placement is Shard; Replicate (HSDP's outer dimension, tensor
+    parallel's norms) keeps the range. On a (dp, tp) mesh FSDP2 shards the tp-local tensor
+    (``_StridedShard`` when both split dim 0), so the innermost mesh dims come first."""
+    region = [(0, size) for size in param.shape]
     coordinate = param.device_mesh.get_coordinate()
-    for dim, placement in enumerate(param.placements):
-        if placement.is_shard(0):
+    for dim in reversed(range(param.device_mesh.ndim)):
+        placement = param.placements[dim]
+        if isinstance(placement, Shard | _StridedShard):
+            start, stop = region[placement.dim]
             chunk = -(-(stop - start) // param.device_mesh.size(dim))
-            start, stop = (
+            region[placement.dim] = (
                 min(start + coordinate[dim] * chunk, stop),
                 min(start + (coordinate[dim] + 1) * chunk, stop),
             )
-    if stop - start != param.to_local().shape[0]:
-        raise RuntimeError(f"FSDP2 sharded {tuple(param.shape)} unlike torch.chunk along dim 0")
-    return start, stop
+    if [stop - start for start, stop in region] != list(param.to_local().shape):
+        raise RuntimeError(f"FSDP2 sharded {tuple(param.shape)} unlike torch.chunk")
+    return region
+
+
+def _block(weights: WeightSource, name: str, region: list[tuple[int, int]], device) -> torch.Tensor:
+    """``region`` of parameter ``name``: its rows read as rows, then narrowed to the columns
+    tensor parallel's row split keeps."""
+    (start, stop), rest = region[0], region[1:]
+    block = weights.rows(name, start, stop, device)
+    for dim, (first, last) in enumerate(rest, start=1):
+        block = block.narrow(dim, first, last - first)
+    return block
 
 
 def _prefetch_neighbours(root: FSDPModule, blocks: list[FSDPModule]) -> None:

@@ -1,26 +1,46 @@
-"""ParallelDims: the data/tensor/pipeline sizes of a run, checked once against the world size."""
+"""ParallelDims: the pipeline/data/tensor sizes of a run, checked once against the world size,
+and the one device mesh built from them."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llm.errors import ConfigError
+
+# Outermost first, tp innermost (torchtitan's order): tensor-parallel peers are neighbouring
+# ranks, r = (pp_rank * dp + dp_rank) * tp + tp_rank. pp keeps its slot; its size is 1 today.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """dp * tp * pp == world_size; ranks are laid out dp-major (as torchtitan's mesh)."""
+    """pp * dp * tp == world_size. ``dp_replicate`` (FSDP's HSDP replicas) splits the dp ranks
+    into dp_replicate x dp_shard."""
 
     dp_size: int
     tp_size: int
     pp_size: int
     world_size: int
     rank: int = 0
+    dp_replicate: int = 1
+    device_type: str = "cpu"
 
     @classmethod
-    def from_config(cls, dp_size: int, tp_size: int, pp_size: int, world_size: int, rank: int = 0):
+    def from_config(
+        cls,
+        dp_size: int,
+        tp_size: int,
+        pp_size: int,
+        world_size: int,
+        rank: int = 0,
+        *,
+        dp_replicate: int = 1,
+        device_type: str = "cpu",
+    ):
         if dp_size == -1:
             if world_size % (tp_size * pp_size):
                 raise ConfigError(
@@ -33,17 +53,44 @@ class ParallelDims:
                 f"dp_size*tp_size*pp_size = {dp_size}*{tp_size}*{pp_size} != world size "
                 f"{world_size}; set parallelism.dp_size=-1 or match launcher.nproc_per_node"
             )
-        return cls(dp_size, tp_size, pp_size, world_size, rank)
+        return cls(dp_size, tp_size, pp_size, world_size, rank, dp_replicate, device_type)
 
     @property
     def dp_rank(self) -> int:
-        # With tp = pp = 1 (all that exists so far) the dp rank is the global rank.
-        return self.rank // (self.tp_size * self.pp_size)
+        return (self.rank // self.tp_size) % self.dp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @functools.cached_property
+    def mesh(self) -> DeviceMesh:
+        """The run's mesh, named by MESH_DIMS; built on first use, by every rank at once (it
+        creates one process group per dimension)."""
+        shard = self.dp_size // self.dp_replicate
+        shape = (self.pp_size, self.dp_replicate, shard, self.tp_size)
+        return init_device_mesh(self.device_type, shape, mesh_dim_names=MESH_DIMS)
+
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel sub-mesh: (dp_replicate, dp_shard) under HSDP, else dp_shard."""
+        return (
+            self.mesh["dp_replicate", "dp_shard"]
+            if self.dp_replicate > 1
+            else self.mesh["dp_shard"]
+        )
+
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
     def dp_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel process group (the default group while tp = pp = 1)."""
-        return dist.group.WORLD if self.distributed else None
+        """The data-parallel process group: the world while tp = pp = 1 (no sub-mesh is
+        built then), else the dp sub-mesh's group."""
+        if not self.distributed:
+            return None
+        if self.tp_size == 1 and self.pp_size == 1:
+            return dist.group.WORLD
+        return self.mesh["dp_shard"].get_group()

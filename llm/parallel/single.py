@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -17,6 +16,7 @@ from llm.models import WeightSource, materialize_from
 from llm.optim import GradientPass, build_optimizer, wrap_optimizer
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
 from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
+from llm.parallel.tensor_parallel import align_grads, local_tensor, tp_copies
 
 
 @register_strategy("single")
@@ -27,21 +27,33 @@ class SingleStrategy(StrategyBase):
 
     # ---- hooks subclasses override ----------------------------------------------------
     @property
-    def grad_replicas(self) -> int:
-        """How many ranks hold each gradient element after synchronisation (the world
-        size for replicas, 1 when gradients are sharded): divides the summed norm."""
-        return dist.get_world_size() if dist.is_initialized() else 1
+    def dp_replicas(self) -> int:
+        """How many data-parallel ranks hold each gradient element after synchronisation
+        (the dp size for replicas, 1 when gradients are sharded over dp)."""
+        return self.dims.dp_size
+
+    @property
+    def grad_replicas(self) -> list[int]:
+        """How many ranks hold each of ``local_grads()``: its dp replicas times its tensor
+        parallel copies (norms and row-parallel biases repeat on every tp rank); divides
+        each gradient's share of the summed norm."""
+        tp = self.dims.tp_size
+        return [self.dp_replicas * tp_copies(p, tp) for p in self._params_with_grads()]
+
+    def _params_with_grads(self) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if p.grad is not None]
 
     def local_grads(self) -> list[torch.Tensor]:
-        """The gradient tensors this rank holds (whole for replicas, shards for ZeRO)."""
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
+        """The gradient tensors this rank holds (whole for replicas, the local shards of
+        DTensors under tensor parallel and FSDP; in-place ops on them change the DTensor)."""
+        return [local_tensor(p.grad) for p in self._params_with_grads()]
 
     def nonfinite_grad_names(self) -> list[str]:
         """Names of parameters with inf/nan gradient elements on this rank."""
         return [
             name
             for name, p in self.model.named_parameters()
-            if p.grad is not None and not torch.isfinite(p.grad).all()
+            if p.grad is not None and not torch.isfinite(local_tensor(p.grad)).all()
         ]
 
     def optimizer_step(self) -> None:
@@ -55,7 +67,7 @@ class SingleStrategy(StrategyBase):
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-        refuse_optimizer(self.name, cfg.name)
+        refuse_optimizer(self.name, cfg.name, tp_size=self.dims.tp_size)
         self.optimizer = wrap_optimizer(build_optimizer(model, cfg), self.precision.update_rounding)
         return self.optimizer
 
@@ -69,6 +81,7 @@ class SingleStrategy(StrategyBase):
         self.scaler.scale_loss(loss).backward()
 
     def clip_and_step(self, max_norm: float) -> StepResult:
+        align_grads(self.model)
         return overflow_checked_step(
             self.local_grads(),
             max_norm,
@@ -118,4 +131,4 @@ class SingleStrategy(StrategyBase):
         return state_bytes(self.state_tensors())
 
     def comm(self) -> dict[str, int]:
-        return {}
+        return self.tp_comm()

@@ -31,25 +31,39 @@ class StepResult:
     loss_scale: float = 1.0
 
 
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    # fp32 before squaring: a 16-bit norm squared overflows fp16's range.
+    return torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum()
+
+
 def global_grad_norm(
     grads: list[torch.Tensor],
     device: torch.device,
-    grad_replicas: int,
+    grad_replicas: int | list[int],
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """L2 norm over every rank's gradients, a 0-d fp32 tensor on ``device``, not read on the
     host. ``grad_replicas``: how many ranks hold each element (the world size for replicas,
-    1 when gradients are sharded)."""
-    if grads:
-        sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum()
-    else:
+    1 when gradients are sharded), one number for all, or one per gradient (tensor parallel
+    replicates norms and biases on its ranks but splits the matrices), so that no element
+    is counted twice."""
+    if not grads:
         sq = torch.zeros((), device=device)
+    elif isinstance(grad_replicas, int):
+        sq = _squared_norm(grads)
+    else:  # one sum per replica count (a few), each divided by its count
+        sq = sum(
+            _squared_norm([g for g, r in zip(grads, grad_replicas, strict=True) if r == count])
+            / count
+            for count in sorted(set(grad_replicas))
+        )
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         # The sum goes over the communication device: NCCL takes no CPU tensor (an offloaded
         # optimizer's gradients live on the host).
         sq = sq.to(device)
         dist.all_reduce(sq, group=group)
-        sq = sq / grad_replicas
+        if isinstance(grad_replicas, int):
+            sq = sq / grad_replicas
     return sq.sqrt()
 
 
@@ -60,7 +74,7 @@ def overflow_checked_step(
     step: Callable[[], None],
     nonfinite_names: Callable[[], list[str]],
     device: torch.device,
-    grad_replicas: int,
+    grad_replicas: int | list[int],
     group: dist.ProcessGroup | None = None,
 ) -> StepResult:
     """Skip the step on overflow, else unscale + clip ``grads`` in place and ``step()``.
@@ -98,7 +112,7 @@ def checked_gradient_pass(
     scaler: LossScaler,
     consume: Callable[[], None],
     device: torch.device,
-    grad_replicas: int,
+    grad_replicas: int | list[int],
     group: dist.ProcessGroup | None = None,
 ) -> bool:
     """Hand an optimizer's extra gradient pass (llm/optim/gradient_pass.py) its reduced

@@ -19,6 +19,7 @@ scales each rank's summed loss by dp_size / (target tokens in the global batch).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -39,8 +40,10 @@ from llm.optim import (
     GradientPass,
     gradient_pass,
 )
-from llm.parallel.mesh import ParallelDims
+from llm.parallel.comm_counter import MeshCommCounter
+from llm.parallel.mesh import MESH_DIMS, ParallelDims
 from llm.parallel.step import StepResult
+from llm.parallel.tensor_parallel import loss_parallel
 from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 
@@ -53,6 +56,8 @@ class Strategy(Protocol):
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer: ...
 
     def micro_batch(self, sync: bool) -> AbstractContextManager: ...
+
+    def loss_context(self, training: bool = True) -> AbstractContextManager: ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
@@ -94,6 +99,25 @@ class StrategyBase:
         self.scaler = loss_scaler or disabled_loss_scaler()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self._mesh_counter: MeshCommCounter | None = None
+
+    def loss_context(self, training: bool = True) -> AbstractContextManager:
+        """Where the forward, the loss and (``training``) the backward run: under tensor
+        parallel the logits stay vocab-sharded and cross-entropy runs on the shards
+        (``loss_parallel``), and with parallelism.count_comm a training step's DTensor
+        collectives are counted by mesh dimension (``tp_comm()``)."""
+        stack = contextlib.ExitStack()
+        if self.dims.tp_size > 1:
+            stack.enter_context(loss_parallel())
+            if training and self.cfg.count_comm:
+                if self._mesh_counter is None:
+                    self._mesh_counter = MeshCommCounter(self.dims.mesh, MESH_DIMS)
+                stack.enter_context(self._mesh_counter)
+        return stack
+
+    def tp_comm(self) -> dict[str, int]:
+        """Bytes of the DTensor collectives counted since the last call (tensor parallel)."""
+        return {} if self._mesh_counter is None else self._mesh_counter.take()
 
     def gradient_pass(self, step: int) -> GradientPass | None:
         """The optimizer's extra gradient pass when step ``step`` (1-based) needs it, else
@@ -117,10 +141,12 @@ WHY_NOT = {
 }
 
 
-def refuse_optimizer(strategy: str, optimizer: str, zero_stage: int = 0) -> None:
+def refuse_optimizer(strategy: str, optimizer: str, zero_stage: int = 0, tp_size: int = 1) -> None:
     """Refuse, in one line, an optimizer that ``strategy`` cannot run with the updates it gives
     under ``single``; called by llm.validate before ranks start and by each build_optimizer."""
     spec = OPTIMIZERS.get(optimizer)
+    if spec is not None and tp_size > 1:
+        _refuse_under_tensor_parallel(optimizer, spec, tp_size)
     if spec is None or strategy in ("single", "ddp"):
         return
     if strategy == "deepspeed":
@@ -140,6 +166,24 @@ def refuse_optimizer(strategy: str, optimizer: str, zero_stage: int = 0) -> None
         raise ConfigError(
             f"optimizer={optimizer} under parallelism={strategy}: {reason}; use parallelism=ddp"
         )
+
+
+def _refuse_under_tensor_parallel(optimizer: str, spec, tp_size: int) -> None:
+    """Tensor parallel hands each rank column or row blocks of the matrices: only element-wise
+    updates see what they would see whole; an extra gradient pass would sample from
+    vocab-sharded logits."""
+    if spec.gradient_pass:
+        reason = "its extra gradient pass samples from logits that tensor parallel shards by vocab"
+    elif spec.layout == PARAM_NORMS:
+        reason = "its trust ratio needs whole-parameter norms and tensor parallel steps row or column blocks"
+    elif spec.layout != ELEMENTWISE:
+        reason = WHY_NOT[spec.layout].format(strategy="tensor parallel")
+    else:
+        return
+    raise ConfigError(
+        f"optimizer={optimizer} with parallelism.tp_size={tp_size}: {reason}; use an "
+        "element-wise optimizer (adamw) or tp_size=1"
+    )
 
 
 STRATEGIES: dict[str, Callable[..., Strategy]] = {}

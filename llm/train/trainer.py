@@ -26,6 +26,7 @@ from llm.errors import TrainingError
 from llm.memory import OUTSIDE, ActivationMemoryCounter, PeakTracker, find_layers, peak_rss_bytes
 from llm.optim import warmup_note
 from llm.parallel.step import StepResult
+from llm.parallel.tensor_parallel import local_loss
 from llm.recompute import RecomputePolicy
 from llm.recompute.policies import NoRecompute
 from llm.train.checkpoint import Checkpointer
@@ -126,6 +127,9 @@ class Trainer:
         self.state = TrainState()
         self.model_state_bytes: dict[str, int] = {}
         self.dp_size = strategy.dims.dp_size
+        # Ranks that see each dp rank's batch (its tensor-parallel peers): world-wide sums of
+        # token counts and losses count every batch this many times.
+        self.batch_copies = strategy.dims.world_size // self.dp_size
         self._pending: list[_StepOnDevice] = []
         # llm.run hands over the tracker that measured start-up, so the run has one.
         self.tracker = tracker or PeakTracker(device, cfg.train.memory_tracking)
@@ -185,9 +189,10 @@ class Trainer:
         self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> torch.Tensor:
         logits = self._logits(input_ids, doc_ids)
-        return F.cross_entropy(
+        loss = F.cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
         )
+        return local_loss(loss)  # tensor parallel: a DTensor, equal on every tp rank
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -213,6 +218,7 @@ class Trainer:
         # One tiny collective gives every rank the global target count (for the loss
         # normaliser) and whether any rank was asked to stop; both stay on the device.
         counts = _all_reduce_sum([local_tokens, float(stop.requested)], self.device)
+        counts[0] /= self.batch_copies
         # Each rank's gradient is averaged over dp ranks by the strategy, so scaling the
         # summed loss by dp_size / global_tokens yields the per-token mean over the whole
         # accumulated global batch: k micro-batches of b equal one batch of k*b.
@@ -237,7 +243,10 @@ class Trainer:
         step result)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y, docs) in enumerate(batches):
-            with self.strategy.micro_batch(sync=i == len(batches) - 1):
+            with (
+                self.strategy.micro_batch(sync=i == len(batches) - 1),
+                self.strategy.loss_context(),
+            ):
                 self.tracker.phase("forward")
                 with self._counter(count and i == 0) as counter:
                     loss = self._loss_sum(x, y, docs)
@@ -282,7 +291,7 @@ class Trainer:
         pending, self._pending = self._pending, []
         if not pending:
             return False, None
-        losses = _all_reduce_sum([p.loss_sum for p in pending], self.device)
+        losses = _all_reduce_sum([p.loss_sum for p in pending], self.device) / self.batch_copies
         rows = [
             torch.stack([p.tokens, p.stop_votes, _on_device(p.result.grad_norm, self.device)])
             for p in pending
@@ -317,7 +326,8 @@ class Trainer:
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in self.val_loader:
             x, y, docs = self._batch_to(batch, lambda t: t.to(self.device))
-            loss_sum += self._loss_sum(x, y, docs)
+            with self.strategy.loss_context(training=False):
+                loss_sum += self._loss_sum(x, y, docs)
             tokens += (y != IGNORE).sum()
         self.model.train()
         loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], self.device).tolist()

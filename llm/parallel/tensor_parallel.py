@@ -1,0 +1,179 @@
+"""Tensor (and sequence) parallelism with torch's DTensor styles, Megatron's split:
+
+- attention: wq/wk/wv column-parallel (each rank computes n_heads/tp query heads and
+  n_kv_heads/tp key/value heads), wo row-parallel; MLP: w1 (and w3) column, w2 row. One
+  all-reduce of the (B, T, d) activations after each row-parallel layer in forward, one
+  before each block's column-parallel layers in backward.
+- token embedding vocab-parallel (row-parallel nn.Embedding), LM head column-parallel with
+  its logits left vocab-sharded: the loss runs under ``loss_parallel()`` and never gathers
+  them. A tied LM head shares the embedding's (V, d) DTensor: both shard dim 0 alike.
+- replicated on every tp rank: norms, biases of row-parallel layers, GPT-2's position table.
+- ``sequence_parallel``: norms and dropouts run on (B, T/tp, d) sequence shards; the
+  all-reduces become an all-gather before the column split and a reduce-scatter after the
+  row split (same bytes, 1/tp of the norm activations held).
+
+Applied to the model on the meta device, before recompute, compile and data-parallel
+wrapping; materialisation then fills each rank's DTensor shards (llm.models.weights).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from llm.errors import ConfigError
+from llm.models.args import ModelArgs
+
+__all__ = [
+    "align_grads",
+    "apply_tensor_parallel",
+    "check_tensor_parallel",
+    "local_loss",
+    "local_tensor",
+    "loss_parallel",
+    "padded_vocab",
+    "tp_copies",
+]
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    """Megatron's make-vocab-size-divisible: the next multiple of tp. The extra rows are
+    tokens the data never holds; they train as any unused token does (never a target, so
+    the softmax only pushes their logits down) and are not masked."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def check_tensor_parallel(args: ModelArgs, tp_size: int, seq_len: int, sp: bool) -> None:
+    """What the Megatron split needs of a shape, refused in one line before ranks start."""
+    if tp_size == 1:
+        return
+    for name, value in (
+        ("n_heads", args.n_heads),
+        ("d_model", args.d_model),
+        ("d_ff", args.d_ff),
+    ):
+        if value % tp_size:
+            raise ConfigError(
+                f"model.{name}={value} is not divisible by parallelism.tp_size={tp_size}; "
+                f"pick a tp_size that divides it"
+            )
+    if args.n_kv_heads % tp_size:
+        raise ConfigError(
+            f"model.n_kv_heads={args.n_kv_heads} is not divisible by parallelism.tp_size="
+            f"{tp_size} (key/value heads are split, not replicated); use a tp_size dividing "
+            "n_kv_heads"
+        )
+    if sp and seq_len % tp_size:
+        raise ConfigError(
+            f"data.seq_len={seq_len} is not divisible by parallelism.tp_size={tp_size}, which "
+            "parallelism.sequence_parallel=true shards; change data.seq_len or tp_size"
+        )
+
+
+def _block_plan(family: str, sp: bool) -> dict:
+    """Styles for one Block's submodules. The attention and MLP inputs become one DTensor
+    (PrepareModuleInput, use_local_output=False), so the gradients of wq, wk and wv (w1, w3)
+    add up as partial sums before ONE all-reduce (reduce-scatter under SP) in backward."""
+    seq, rep = Shard(1), Replicate()
+    inner = seq if sp else rep
+    plan = {
+        "attention": PrepareModuleInput(
+            input_layouts=(inner, None, None), desired_input_layouts=(rep, None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=inner),
+        "feed_forward": PrepareModuleInput(input_layouts=(inner,), desired_input_layouts=(rep,)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=inner),
+    }
+    if family == "llama":
+        plan["feed_forward.w3"] = ColwiseParallel()
+    if sp:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
+    """Split ``model`` (a llm.models.Transformer, on any device, meta included) over the 1-D
+    tp ``mesh``; every Attention then computes its local heads."""
+    tp = mesh.size()
+    sp = sequence_parallel
+    residual = Shard(1) if sp else Replicate()
+    plan = {
+        # Vocab-parallel embedding: each rank looks up its rows, the partial sums meet in an
+        # all-reduce (reduce-scatter onto sequence shards under SP).
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "output": ColwiseParallel(
+            input_layouts=residual, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    if sp:
+        plan["norm"] = SequenceParallel()
+        if hasattr(model, "pos_embeddings"):
+            # The replicated (T, d) or (B, T, d) position rows, cut to this rank's sequence
+            # shard (dim -2 in both); backward all-gathers its gradient, equal on every rank.
+            plan["pos_embeddings"] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(-2)
+            )
+    parallelize_module(model, mesh, plan)
+    for block in model.layers:
+        parallelize_module(block, mesh, _block_plan(model.args.family, sp))
+        block.attention.n_heads //= tp
+        block.attention.n_kv_heads //= tp
+    model.tie_weights()  # the head's parameter was replaced: share the embedding's again
+    return model
+
+
+def tp_copies(param: torch.Tensor, tp_size: int) -> int:
+    """On how many tp ranks ``param``'s elements repeat: 1 when tensor parallel shards it,
+    tp_size when every tp rank holds it whole (a plain tensor, or Replicate on the tp
+    dimension of its mesh, FSDP's 2-D mesh included)."""
+    if tp_size == 1:
+        return 1
+    if not isinstance(param, DTensor):
+        return tp_size
+    names = param.device_mesh.mesh_dim_names or ()
+    if "tp" not in names:  # FSDP's 1-D dp mesh on a parameter tensor parallel left whole
+        return tp_size
+    return 1 if param.placements[names.index("tp")].is_shard() else tp_size
+
+
+@torch.no_grad()
+def align_grads(model: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements, so that its local shard is
+    what the norm, clipping and the optimizer read. DTensor's autograd may leave other
+    ones: a ``Partial`` sum for the gains of norms under sequence parallel (each rank saw
+    only its sequence shard: one all-reduce per gain, as Megatron all-reduces layer-norm
+    gradients over the tensor-parallel group), or a ``Replicate`` whole gradient for the
+    vocab-parallel embedding (its backward scatters into the whole table; taking this
+    rank's rows is local)."""
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds (a DTensor's local shard, else ``t``); in-place ops
+    on it change the DTensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: ``loss_parallel``'s sum is a Replicate DTensor, equal on
+    every tp rank; ``to_local`` is differentiable, so backward runs through it."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
