@@ -355,6 +355,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compile", action="store_true", help="torch.compile the model (budget needs it)"
     )
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.add_argument("--out", default="outputs/bench_recompute")
     p.add_argument("--json", help="default: OUT/recompute.json")
@@ -376,6 +377,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[Row]:
     a = parse(argv)
+    if a.threads:  # on a loaded machine, OpenMP threads waiting on each other thrash
+        torch.set_num_threads(a.threads)
     command = " ".join(
         ["python benchmarks/recompute.py", *(sys.argv[1:] if argv is None else argv)]
     )
@@ -386,7 +389,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     device = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     title = (
         f"recompute policies, {a.model}, {a.precision}, B={a.batch}, {device}, "
-        f"torch {torch.__version__}, median of {a.steps} steps after {a.warmup}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"median of {a.steps} steps after {a.warmup}"
     )
     if a.markdown:
         print(markdown(rows))
