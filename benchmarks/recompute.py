@@ -294,8 +294,8 @@ def paper_lines(args, a) -> list[str]:
             for name in ("none", "selective", "full")
         }
         lines.append(
-            f"  paper's bytes per layer at T={seq}, B={a.batch}: "
-            + ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in per.items())
+            f"  the paper's count per layer (16-bit, its kernels, dropout {args.dropout}) at "
+            f"T={seq}, B={a.batch}: " + ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in per.items())
         )
     if a.device == "cpu":
         lines.append(
