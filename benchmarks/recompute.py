@@ -314,7 +314,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     seqs = sorted({r.seq_len for r in rows})
-    fig, axes = plt.subplots(1, len(seqs), figsize=(6 * len(seqs), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(seqs), figsize=(max(6 * len(seqs), 9), 4.5), squeeze=False)
     for ax, seq in zip(axes[0], seqs, strict=True):
         for backend in dict.fromkeys(r.backend for r in rows):
             sel = [
@@ -333,7 +333,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
             title=f"T={seq}", xlabel="activations per layer (MiB)", ylabel="step time vs none (%)"
         )
         ax.legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
