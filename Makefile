@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention bench-optimizers clean
+.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention bench-optimizers bench-recompute clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -49,6 +49,9 @@ bench-strategies: $(STAMP) ## DDP, our ZeRO-1/2/3, FSDP2, DeepSpeed on 2 and 4 r
 
 bench-attention: $(STAMP) ## attention backends: time, TFLOP/s, memory vs T (table + plot)
 	$(PY) benchmarks/attention.py $(ARGS)
+
+bench-recompute: $(STAMP) ## recompute policies: activations per layer, step peak, step-time overhead (table + plot)
+	$(PY) benchmarks/recompute.py $(ARGS)
 
 bench-optimizers: $(STAMP) ## each optimizer's step time and state bytes, ours against library versions
 	$(PY) benchmarks/optimizers.py $(ARGS)
