@@ -5,7 +5,7 @@ Per attention backend, sequence length and policy, one model is built as the Tra
 it (policy applied on the meta device, then materialised) and three passes run:
 - count: one forward under ``llm.memory.ActivationMemoryCounter(layers=...)``: bytes kept
   for backward per block (the mean over blocks) beside ``llm.estimate.layer_terms``'s
-  prediction (none, selective, full; the formula has no op_sac/budget/offload terms);
+  prediction (none, selective, full, op_sac; budget and offload have no per-layer terms);
 - time: forward + loss + backward + AdamW step, ``--warmup`` steps discarded, the median of
   ``--steps``, with no counting hooks or dispatch modes installed;
 - peak: one more step, measured apart from the timing: the peak tracker's step peak of live
@@ -179,7 +179,8 @@ def peak(s: Setup, compiled: bool) -> tuple[int | None, str | None]:
 
 
 def formula(args, backend: str, policy: str, seq: int, a) -> int | None:
-    name = POLICIES[policy].name
+    cfg = POLICIES[policy]
+    name = "op_sac_every_other_mm" if cfg.save_every_other_mm else cfg.name
     if name not in FORMULA_POLICIES:
         return None
     prec = resolve_precision(a.precision, torch.device(a.device))
