@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -84,6 +86,35 @@ def assert_close_weights(a, b, rtol, atol):
     assert a.keys() == b.keys() and a
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)
+
+
+def grad_norms(out) -> dict[int, float]:
+    return {m["step"]: m["grad_norm"] for m in read_metrics(out) if "grad_norm" in m}
+
+
+def assert_run_matches(ref_out, out, steps: int, first_step: int = 1) -> None:
+    """A parallel run against one process: logged steps first_step..steps, losses and
+    clipping norms within 1e-5 relative, final weights within 1e-4 / 1e-5."""
+    ref, got = train_losses(ref_out), train_losses(out)
+    assert sorted(got) == list(range(first_step, steps + 1))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    ref_norms, got_norms = grad_norms(ref_out), grad_norms(out)
+    for step in got_norms:
+        assert got_norms[step] == pytest.approx(ref_norms[step], rel=1e-5), step
+    assert_close_weights(final_weights(ref_out), final_weights(out), rtol=1e-4, atol=1e-5)
+
+
+def zero_whole_weights(strategy) -> dict[str, torch.Tensor]:
+    """Every parameter of our ZeRO strategy, all-gathered from the ranks' master shards."""
+    out = {}
+    for buf in strategy.buffers:
+        full = buf.master.new_empty(buf.bucket.padded)
+        dist.all_gather_into_tensor(full, buf.master.contiguous(), group=strategy.group)
+        for slot in buf.bucket.slots:
+            span = full[slot.offset : slot.offset + slot.numel]
+            out[slot.name] = span.view(slot.param.shape).clone()
+    return out
 
 
 def one_line(exc_info) -> str:

@@ -12,7 +12,13 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close_weights, final_weights, read_metrics, run, train_losses
+from helpers import (
+    assert_close_weights,
+    assert_run_matches,
+    final_weights,
+    run,
+    train_losses,
+)
 
 from llm.config import ParallelismConfig
 from llm.errors import ConfigError
@@ -72,24 +78,12 @@ def fsdp_on(tmp_path_factory, text_corpus, cache_dir):
     return get
 
 
-def grad_norms(out) -> dict[int, float]:
-    return {m["step"]: m["grad_norm"] for m in read_metrics(out) if "grad_norm" in m}
-
-
 def assert_matches_reference(reference, out, first_step=1):
     # 1e-5 relative on losses, 1e-4 on weights: as DDP's parity test, the runs differ only in
     # how fp32 gradients are summed (per-rank partial sums averaged by a reduce-scatter).
-    _, ref_out = reference
-    ref, got = train_losses(ref_out), train_losses(out)
-    assert sorted(got) == list(range(first_step, STEPS + 1))
-    for step in got:
-        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
     # The norm over every rank's local gradient shards (HSDP: divided by the replicas) is
     # the whole gradient's norm, so clipping acts as in one process.
-    ref_norms, got_norms = grad_norms(ref_out), grad_norms(out)
-    for step in got_norms:
-        assert got_norms[step] == pytest.approx(ref_norms[step], rel=1e-5), step
-    assert_close_weights(final_weights(ref_out), final_weights(out), rtol=1e-4, atol=1e-5)
+    assert_run_matches(reference[1], out, STEPS, first_step)
 
 
 def padded_bytes(params: list[torch.Tensor], ranks: int) -> int:

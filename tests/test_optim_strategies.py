@@ -12,12 +12,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import assert_close_weights, compose_config, final_weights, run, train_losses
+from helpers import (
+    assert_close_weights,
+    compose_config,
+    final_weights,
+    run,
+    train_losses,
+    zero_whole_weights,
+)
 
 from llm.config import OptimizerConfig, ParallelismConfig, RecomputeConfig
 from llm.errors import ConfigError
 from llm.launch import free_port
-from llm.models import build_model, materialize, model_args
+from llm.models import build_model, materialize, model_args, param_name
 from llm.optim import OPTIMIZERS, PARAM_NORMS, QUANT_BLOCKS, WHOLE_MATRICES
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import resolve_precision
@@ -108,17 +115,10 @@ def train(
 
 def _whole_weights(strategy, model) -> dict[str, torch.Tensor]:
     if hasattr(strategy, "buffers"):  # our ZeRO: all-gather each bucket's master shards
-        out = {}
-        for buf in strategy.buffers:
-            full = buf.master.new_empty(buf.bucket.padded)
-            dist.all_gather_into_tensor(full, buf.master.contiguous(), group=strategy.group)
-            for slot in buf.bucket.slots:
-                span = full[slot.offset : slot.offset + slot.numel]
-                out[slot.name] = span.view(slot.param.shape).clone()
-        return out
+        return zero_whole_weights(strategy)
     full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731
-    infix = "_checkpoint_wrapped_module."  # recompute's wrapper, absent from ZeRO's names
-    return {n.replace(infix, ""): full(p).detach().clone() for n, p in model.named_parameters()}
+    # Names without recompute's wrapper infix, as ZeRO's slots name them.
+    return {param_name(n): full(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def _ranks(rank: int, world: int, port: int, cases, steps: int, results) -> None:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import zero_whole_weights
 from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig
@@ -38,18 +39,6 @@ def _zero(stage: int, rank: int, bucket_cap_mb: float):
         resolve_precision("fp32", CPU),
         CPU,
     )
-
-
-def _whole_weights(strategy) -> dict[str, torch.Tensor]:
-    """Every parameter, all-gathered from the ranks' master shards."""
-    out = {}
-    for buf in strategy.buffers:
-        full = buf.master.new_empty(buf.bucket.padded)
-        dist.all_gather_into_tensor(full, buf.master.contiguous(), group=strategy.group)
-        for slot in buf.bucket.slots:
-            span = full[slot.offset : slot.offset + slot.numel]
-            out[slot.name] = span.view(slot.param.shape).clone()
-    return out
 
 
 def _train_zero(strategy, model, loss_of, batches) -> list[float]:
@@ -129,7 +118,7 @@ def _unused_rank(rank: int, world: int, port: int, results) -> None:
             # Small buckets: several per block, so the order of launches matters.
             strategy = _zero(stage, rank, bucket_cap_mb=0.001)
             norms = _train_zero(strategy, model, _branch_loss, _branch_batches(rank))
-            results[(stage, rank)] = (_whole_weights(strategy), norms)
+            results[(stage, rank)] = (zero_whole_weights(strategy), norms)
     finally:
         dist.destroy_process_group()
 
@@ -192,7 +181,7 @@ def _frozen_rank(rank: int, world: int, port: int, results, frozen) -> None:
             ]
             states = [len(s) for s in strategy.optimizer.state.values()]
             results[(stage, rank)] = {
-                "weights": _whole_weights(strategy),
+                "weights": zero_whole_weights(strategy),
                 "piece_names": {piece.slot.name for piece, _ in strategy.piece_params},
                 "pieces": len(strategy.piece_params),
                 "states": states,

@@ -20,6 +20,7 @@ from llm.models.weights import (
     adopt,
     flat_range,
     materialize_from,
+    param_name,
 )
 
 __all__ = [
@@ -43,5 +44,6 @@ __all__ = [
     "materialize_from",
     "model_args",
     "num_params",
+    "param_name",
     "to_hf",
 ]

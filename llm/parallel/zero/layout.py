@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from llm.models import param_name
+
 
 @dataclass
 class Slot:
@@ -69,11 +71,6 @@ class Bucket:
         return out
 
 
-def clean_name(name: str) -> str:
-    """A parameter's name without wrapper infixes, so checkpoints match other strategies."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def build_buckets(
     named_params: list[tuple[str, nn.Parameter, int]], bucket_numel: int, world: int
 ) -> list[Bucket]:
@@ -90,7 +87,7 @@ def build_buckets(
         ):
             current = Bucket(index=len(buckets), unit=unit, trainable=param.requires_grad)
             buckets.append(current)
-        current.slots.append(Slot(clean_name(name), param, current.numel, param.numel()))
+        current.slots.append(Slot(param_name(name), param, current.numel, param.numel()))
         current.numel += param.numel()
     for bucket in buckets:
         bucket.shard = -(-bucket.numel // world)

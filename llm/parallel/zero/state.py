@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from llm.models import param_name
 from llm.optim import materialize_state
 from llm.parallel.flat_shards import sharded
 from llm.parallel.zero.collectives import all_gather
-from llm.parallel.zero.layout import clean_name
 
 
 def ensure_optimizer_state(strategy) -> None:
@@ -97,7 +97,7 @@ def checkpoint_state(strategy) -> dict:
                 for k, dtype in moments.items()
             } | {k: _scalar(v) for k, v in scalars.items()}
     for name, value in strategy.model.state_dict(keep_vars=True).items():
-        name = clean_name(name)
+        name = param_name(name)
         if name not in model_sd:  # buffers, and a tied weight's second name
             slot = strategy._slot_of.get(value)
             model_sd[name] = model_sd[slot.name] if slot is not None else value.detach()
