@@ -93,6 +93,16 @@ class AttentionConfig:
 
 
 STRATEGY_NAMES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed")
+# torch.distributed.pipelining's schedules, by the names parallelism.pp_schedule takes.
+PP_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
 LOSS_SCALER_PRESETS = ("deepspeed", "megatron", "torch")
 
 
@@ -113,7 +123,13 @@ class ParallelismConfig:
     name: str = "single"  # one of STRATEGY_NAMES
     dp_size: int = -1  # -1: every rank is a data-parallel rank
     tp_size: int = 1  # tensor parallel ranks (innermost mesh dimension); docs/parallel.md
-    pp_size: int = 1
+    pp_size: int = 1  # pipeline stages (outermost mesh dimension); docs/parallel.md
+    pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
+    # Micro-batches the schedule splits each loader batch into; -1: pp_size.
+    pp_microbatches: int = -1
+    pp_virtual_stages: int = 1  # stages per rank (interleaved and looped schedules)
+    # Indices of the blocks that start stages 1.. (len = stages - 1); None: balanced.
+    pp_split: list[int] | None = None
     # tp_size > 1: norms and dropouts on sequence shards (all-gather / reduce-scatter around
     # the split layers instead of all-reduce).
     sequence_parallel: bool = False
@@ -149,12 +165,18 @@ class ParallelismConfig:
             "parallelism",
             tp_size=self.tp_size,
             pp_size=self.pp_size,
+            pp_virtual_stages=self.pp_virtual_stages,
             bucket_cap_mb=self.bucket_cap_mb,
             replicate=self.replicate,
         )
         if self.dp_size == 0 or self.dp_size < -1:
             raise ConfigError(
                 f"parallelism.dp_size={self.dp_size} must be > 0, or -1 for all ranks"
+            )
+        _require_choice("parallelism", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.pp_microbatches == 0 or self.pp_microbatches < -1:
+            raise ConfigError(
+                f"parallelism.pp_microbatches={self.pp_microbatches} must be > 0, or -1 for pp_size"
             )
         if self.pp_size > 1:
             raise ConfigError(
