@@ -60,6 +60,4 @@ def split_terms(
     divides heads, d_ff, the padded vocabulary and, under sequence parallel, the sequence)."""
     if tp == 1:
         return terms
-    return {
-        name: n // tp_divisor(name, tp, sp, gathered_input_saved) for name, n in terms.items()
-    }
+    return {name: n // tp_divisor(name, tp, sp, gathered_input_saved) for name, n in terms.items()}
