@@ -1,9 +1,9 @@
 """The activation formula under tensor parallel (tp=2), with and without sequence parallel,
 against what one tensor-parallel rank's autograd really saves.
 
-The rank runs in this process on torch's fake process group (world size 2, rank 0): the
-model is split exactly as a real run splits it (llm.parallel.tensor_parallel, DTensor), its
-collectives return without communicating, so values are meaningless but every saved
+The rank runs in this process on torch's fake process group (conftest's ``fake_tp_mesh``):
+the model is split exactly as a real run splits it (llm.parallel.tensor_parallel, DTensor),
+its collectives return without communicating, so values are meaningless but every saved
 tensor has the shape and dtype a real rank's has. Counted per block and outside the blocks
 with llm.memory.ActivationMemoryCounter, parameters left out; equality is exact.
 """
@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from llm.config import RecomputeConfig
 from llm.estimate import layer_terms, outside_terms
@@ -29,16 +26,7 @@ from llm.precision import resolve_precision
 from llm.recompute import apply_recompute
 
 CPU = torch.device("cpu")
-TP, B, S = 2, 2, 16
-
-
-@pytest.fixture(scope="module")
-def tp_mesh():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
-    try:
-        yield init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
+TP, B, S = 2, 2, 16  # TP: the fake mesh's size
 
 
 def _measure(mesh, family, precision, backend, dropout, sp, recompute="none"):
@@ -77,8 +65,8 @@ CASES = [
 
 @pytest.mark.parametrize("family,precision,backend,dropout", CASES)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_tp_formula_equals_measured(tp_mesh, family, precision, backend, dropout, sp):
-    by_layer, layer, outside = _measure(tp_mesh, family, precision, backend, dropout, sp)
+def test_tp_formula_equals_measured(fake_tp_mesh, family, precision, backend, dropout, sp):
+    by_layer, layer, outside = _measure(fake_tp_mesh, family, precision, backend, dropout, sp)
     assert by_layer["layers.0"] == by_layer["layers.1"] == sum(layer.values()), layer
     assert by_layer["outside"] == sum(outside.values()), outside
 
@@ -86,12 +74,12 @@ def test_tp_formula_equals_measured(tp_mesh, family, precision, backend, dropout
 @pytest.mark.parametrize("family", ["gpt2-tiny", "llama-tiny"])
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_tp_recompute_formula_equals_measured(tp_mesh, family, recompute, sp):
-    by_layer, layer, _ = _measure(tp_mesh, family, "fp32", "eager", 0.1, sp, recompute)
+def test_tp_recompute_formula_equals_measured(fake_tp_mesh, family, recompute, sp):
+    by_layer, layer, _ = _measure(fake_tp_mesh, family, "fp32", "eager", 0.1, sp, recompute)
     assert by_layer["layers.0"] == sum(layer.values()), layer
 
 
-def test_tp_divides_what_megatron_divides(tp_mesh):
+def test_tp_divides_what_megatron_divides(fake_tp_mesh):
     """The split is the one the measured runs show: tp=2 without sequence parallel keeps
     the norms and the column-parallel inputs whole and halves the heads' and the MLP's
     terms; sequence parallel also halves the norms (DTensor's linears still save their
