@@ -40,10 +40,9 @@ def _plan_table(cfg, rows) -> Table:
         f"GPUs of {e.device_memory_gb:g} GiB, fastest first (global batch "
         f"{global_batch(cfg, world_size(cfg))} x {cfg.data.seq_len} tokens)"
     )
-    for name in ("dp", "tp", "pp", "ZeRO", "recompute", "micro-batch", "micro-batches"):
-        table.add_column(name, justify="right")
-    for name in ("per GPU", "bubble", "step s"):
-        table.add_column(name, justify="right")
+    # b: sequences per micro-batch; m: micro-batches per step.
+    for name in ("dp", "tp", "pp", "zero", "recompute", "b", "m", "per GPU", "bubble", "step s"):
+        table.add_column(name, justify="right", no_wrap=True)
     for r in rows:
         lay = r.layout
         table.add_row(
