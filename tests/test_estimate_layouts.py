@@ -5,6 +5,7 @@ links, and the plan for published large runs (meta-free closed forms, no ranks).
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import compose_config
 
 from llm.errors import ConfigError
@@ -100,7 +101,7 @@ def _workload(model: str, seq: int = 2048) -> Workload:
     return Workload(
         args=model_args(model),
         seq=seq,
-        policy=resolve_precision("bf16", __import__("torch").device("cpu")),
+        policy=resolve_precision("bf16", torch.device("cpu")),
         optimizer=_cfg().optimizer,
     )
 
