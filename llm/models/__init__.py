@@ -15,10 +15,12 @@ from llm.models.shapes import MODEL_SHAPES, model_args
 from llm.models.transformer import Block, Transformer
 from llm.models.weights import (
     InitSource,
+    LocalSource,
     ModuleSource,
     WeightSource,
     adopt,
     flat_range,
+    local_region,
     materialize_from,
     param_name,
 )
@@ -28,6 +30,7 @@ __all__ = [
     "Block",
     "HFSource",
     "InitSource",
+    "LocalSource",
     "ModelArgs",
     "ModuleSource",
     "RopeScaling",
@@ -37,6 +40,7 @@ __all__ = [
     "build_model",
     "causal_flops_per_token",
     "flat_range",
+    "local_region",
     "flops_per_token",
     "freeze",
     "from_hf",

@@ -1,0 +1,92 @@
+"""Data parallel over the dp sub-mesh with tensor parallel (dp=2 x tp=2, 4 gloo ranks): our
+ZeRO stages and ddp against one process, fp32, same seed and data; their checkpoints
+resumed in other layouts; and the estimator's model-state bytes against the strategy's.
+
+As in test_tensor_parallel.py the tp runs pad the byte tokenizer's 257 tokens to 258 and
+the reference is built with model.vocab_size=258; each dp rank reads half the global batch
+of 8. fp32 runs differ from one process only in the order partial sums are added (the
+row-parallel outputs, the vocab-parallel softmax, the reduce-scatter over dp), hence the
+shared tolerance of helpers.assert_run_matches: 1e-5 relative on losses and clipping
+norms, 1e-4 relative + 1e-5 absolute on final weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_run_matches, run
+
+STEPS = 3
+PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text_corpus, cache_dir):
+    """One process per model family: ``reference(model) -> output directory``."""
+    runs = {}
+
+    def get(model: str):
+        if model not in runs:
+            tmp = tmp_path_factory.mktemp(f"tp_dp_reference_{model}")
+            runs[model] = run(
+                tmp,
+                "single",
+                text_corpus,
+                cache_dir,
+                f"model={model}",
+                f"model.vocab_size={PADDED_VOCAB}",
+                "train.micro_batch_size=8",
+                f"train.max_steps={STEPS}",
+            )[1]
+        return runs[model]
+
+    return get
+
+
+def dp_tp_run(tmp_path, name, text_corpus, cache_dir, strategy, model, *extra):
+    """4 ranks as dp=2 x tp=2 under ``strategy``, small buckets (several per step, pieces
+    cut mid-parameter)."""
+    return run(
+        tmp_path,
+        name,
+        text_corpus,
+        cache_dir,
+        f"model={model}",
+        f"parallelism={strategy}",
+        "launcher.nproc_per_node=4",
+        "parallelism.tp_size=2",
+        "parallelism.bucket_cap_mb=0.05",
+        "train.micro_batch_size=4",
+        f"train.max_steps={STEPS}",
+        *extra,
+    )
+
+
+@pytest.mark.parametrize(
+    ("strategy", "model", "sequence_parallel"),
+    [
+        ("zero1", "gpt2-tiny", False),
+        pytest.param("zero1", "llama-tiny", True, marks=pytest.mark.slow),
+        pytest.param("zero2", "llama-tiny", True, marks=pytest.mark.slow),
+        pytest.param("zero2", "gpt2-tiny", False, marks=pytest.mark.slow),
+        pytest.param("zero3", "gpt2-tiny", False, marks=pytest.mark.slow),
+        pytest.param("zero3", "llama-tiny", True, marks=pytest.mark.slow),
+    ],
+)
+def test_zero_over_dp_times_tensor_parallel(
+    tmp_path, reference, text_corpus, cache_dir, strategy, model, sequence_parallel
+):
+    """Our ZeRO shards each rank's tensor-parallel blocks over its dp group. gpt2-tiny: the
+    tied embedding (one DTensor, two uses), biases, learned positions; llama-tiny: GQA,
+    SwiGLU, and under sequence parallel Partial gradients of the norm gains."""
+    summary, out = dp_tp_run(
+        tmp_path,
+        strategy,
+        text_corpus,
+        cache_dir,
+        strategy,
+        model,
+        f"parallelism.sequence_parallel={str(sequence_parallel).lower()}",
+    )
+    assert summary["tp_size"] == 2 and summary["dp_size"] == 2
+    assert summary["skipped_steps"] == 0
+    assert_run_matches(reference(model), out, STEPS)
