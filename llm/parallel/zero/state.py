@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.tensor import DTensor
 
 from llm.models import local_region, param_name
