@@ -16,6 +16,7 @@ import pytest
 from helpers import assert_run_matches, run
 
 STEPS = 3
+RESUME_AFTER = 2  # the step whose checkpoint other layouts resume from
 PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
 
 
@@ -61,6 +62,31 @@ def dp_tp_run(tmp_path, name, text_corpus, cache_dir, strategy, model, *extra):
     )
 
 
+@pytest.fixture(scope="module")
+def dp_tp_on(tmp_path_factory, text_corpus, cache_dir):
+    """dp=2 x tp=2 runs, once per module, checkpointed after step 2 too:
+    ``dp_tp_on(strategy, model, sequence_parallel) -> (summary, output directory)``."""
+    runs = {}
+
+    def get(strategy: str, model: str, sequence_parallel: bool):
+        key = (strategy, model, sequence_parallel)
+        if key not in runs:
+            tmp = tmp_path_factory.mktemp(f"{strategy}_{model}_{sequence_parallel}")
+            runs[key] = dp_tp_run(
+                tmp,
+                strategy,
+                text_corpus,
+                cache_dir,
+                strategy,
+                model,
+                f"parallelism.sequence_parallel={str(sequence_parallel).lower()}",
+                f"checkpoint.every={RESUME_AFTER}",
+            )
+        return runs[key]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("strategy", "model", "sequence_parallel"),
     [
@@ -73,20 +99,44 @@ def dp_tp_run(tmp_path, name, text_corpus, cache_dir, strategy, model, *extra):
     ],
 )
 def test_zero_over_dp_times_tensor_parallel(
-    tmp_path, reference, text_corpus, cache_dir, strategy, model, sequence_parallel
+    reference, dp_tp_on, strategy, model, sequence_parallel
 ):
     """Our ZeRO shards each rank's tensor-parallel blocks over its dp group. gpt2-tiny: the
     tied embedding (one DTensor, two uses), biases, learned positions; llama-tiny: GQA,
     SwiGLU, and under sequence parallel Partial gradients of the norm gains."""
-    summary, out = dp_tp_run(
-        tmp_path,
-        strategy,
-        text_corpus,
-        cache_dir,
-        strategy,
-        model,
-        f"parallelism.sequence_parallel={str(sequence_parallel).lower()}",
-    )
+    summary, out = dp_tp_on(strategy, model, sequence_parallel)
     assert summary["tp_size"] == 2 and summary["dp_size"] == 2
     assert summary["skipped_steps"] == 0
     assert_run_matches(reference(model), out, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("layout", "nproc"),
+    [(("parallelism=single",), 2), (("parallelism=fsdp",), 4)],
+    ids=["single_tp2", "fsdp_dp2_tp2"],
+)
+def test_zero_tp_checkpoint_resumes_in_other_layouts(
+    tmp_path, reference, dp_tp_on, text_corpus, cache_dir, layout, nproc
+):
+    """DCP holds the zero3 (dp=2 x tp=2, sequence parallel) run's pieces at their places in
+    the whole parameters: tensor parallel alone (2 ranks, DTensor shards) and FSDP2 over
+    dp=2 x tp=2 read them, and step 3 continues the uninterrupted run."""
+    _, saved = dp_tp_on("zero3", "llama-tiny", True)
+    checkpoint = saved / "checkpoints" / f"step_{RESUME_AFTER:06d}"
+    summary, out = run(
+        tmp_path,
+        "resumed",
+        text_corpus,
+        cache_dir,
+        "model=llama-tiny",
+        *layout,
+        f"launcher.nproc_per_node={nproc}",
+        "parallelism.tp_size=2",
+        "parallelism.sequence_parallel=true",
+        f"train.micro_batch_size={8 * 2 // nproc}",
+        f"train.max_steps={STEPS}",
+        f"checkpoint.resume={checkpoint}",
+    )
+    assert summary["tp_size"] == 2
+    assert_run_matches(reference("llama-tiny"), out, STEPS, first_step=RESUME_AFTER + 1)
