@@ -13,7 +13,10 @@ norms, 1e-4 relative + 1e-5 absolute on final weights.
 from __future__ import annotations
 
 import pytest
-from helpers import assert_run_matches, run
+from helpers import assert_run_matches, compose_config, run, small_run_overrides
+
+from llm.estimate.estimator import estimate
+from llm.validate import model_args_for
 
 STEPS = 3
 RESUME_AFTER = 2  # the step whose checkpoint other layouts resume from
@@ -43,28 +46,25 @@ def reference(tmp_path_factory, text_corpus, cache_dir):
     return get
 
 
-def dp_tp_run(tmp_path, name, text_corpus, cache_dir, strategy, model, *extra):
+def dp_tp_overrides(strategy: str, model: str, sequence_parallel: bool) -> list[str]:
     """4 ranks as dp=2 x tp=2 under ``strategy``, small buckets (several per step, pieces
-    cut mid-parameter)."""
-    return run(
-        tmp_path,
-        name,
-        text_corpus,
-        cache_dir,
+    cut mid-parameter), checkpointed after step RESUME_AFTER too."""
+    return [
         f"model={model}",
         f"parallelism={strategy}",
         "launcher.nproc_per_node=4",
         "parallelism.tp_size=2",
+        f"parallelism.sequence_parallel={str(sequence_parallel).lower()}",
         "parallelism.bucket_cap_mb=0.05",
         "train.micro_batch_size=4",
         f"train.max_steps={STEPS}",
-        *extra,
-    )
+        f"checkpoint.every={RESUME_AFTER}",
+    ]
 
 
 @pytest.fixture(scope="module")
 def dp_tp_on(tmp_path_factory, text_corpus, cache_dir):
-    """dp=2 x tp=2 runs, once per module, checkpointed after step 2 too:
+    """dp=2 x tp=2 runs (``dp_tp_overrides``), once per module:
     ``dp_tp_on(strategy, model, sequence_parallel) -> (summary, output directory)``."""
     runs = {}
 
@@ -72,32 +72,24 @@ def dp_tp_on(tmp_path_factory, text_corpus, cache_dir):
         key = (strategy, model, sequence_parallel)
         if key not in runs:
             tmp = tmp_path_factory.mktemp(f"{strategy}_{model}_{sequence_parallel}")
-            runs[key] = dp_tp_run(
-                tmp,
-                strategy,
-                text_corpus,
-                cache_dir,
-                strategy,
-                model,
-                f"parallelism.sequence_parallel={str(sequence_parallel).lower()}",
-                f"checkpoint.every={RESUME_AFTER}",
-            )
+            overrides = dp_tp_overrides(*key)
+            runs[key] = run(tmp, strategy, text_corpus, cache_dir, *overrides)
         return runs[key]
 
     return get
 
 
-@pytest.mark.parametrize(
-    ("strategy", "model", "sequence_parallel"),
-    [
-        ("zero1", "gpt2-tiny", False),
-        pytest.param("zero1", "llama-tiny", True, marks=pytest.mark.slow),
-        pytest.param("zero2", "llama-tiny", True, marks=pytest.mark.slow),
-        pytest.param("zero2", "gpt2-tiny", False, marks=pytest.mark.slow),
-        pytest.param("zero3", "gpt2-tiny", False, marks=pytest.mark.slow),
-        pytest.param("zero3", "llama-tiny", True, marks=pytest.mark.slow),
-    ],
-)
+ZERO_LAYOUTS = [
+    ("zero1", "gpt2-tiny", False),
+    pytest.param("zero1", "llama-tiny", True, marks=pytest.mark.slow),
+    pytest.param("zero2", "llama-tiny", True, marks=pytest.mark.slow),
+    pytest.param("zero2", "gpt2-tiny", False, marks=pytest.mark.slow),
+    pytest.param("zero3", "gpt2-tiny", False, marks=pytest.mark.slow),
+    pytest.param("zero3", "llama-tiny", True, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), ZERO_LAYOUTS)
 def test_zero_over_dp_times_tensor_parallel(
     reference, dp_tp_on, strategy, model, sequence_parallel
 ):
@@ -140,3 +132,24 @@ def test_zero_tp_checkpoint_resumes_in_other_layouts(
     )
     assert summary["tp_size"] == 2
     assert_run_matches(reference("llama-tiny"), out, STEPS, first_step=RESUME_AFTER + 1)
+
+
+@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), ZERO_LAYOUTS)
+def test_estimate_equals_what_each_rank_holds(
+    tmp_path, dp_tp_on, text_corpus, cache_dir, strategy, model, sequence_parallel
+):
+    """llm.estimate's model states (a plain meta model, tensor parallel's split read off its
+    plan, our ZeRO's buckets over dp=2) equal strategy.memory() after a step on each of the
+    4 ranks, byte for byte."""
+    summary, _ = dp_tp_on(strategy, model, sequence_parallel)
+    overrides = dp_tp_overrides(strategy, model, sequence_parallel)
+    cfg = compose_config(
+        [*small_run_overrides(tmp_path, text_corpus, cache_dir, *overrides), "estimate.device=cpu"]
+    )
+    args = model_args_for(cfg, vocab_size=PADDED_VOCAB)
+    measured = summary["model_state_bytes"]
+    assert len(measured) == 4
+    for rank, held in enumerate(measured):
+        cfg.estimate.rank = rank
+        predicted = estimate(cfg, args).device
+        assert {k: predicted[k] for k in held} == held, f"rank {rank}"
