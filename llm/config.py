@@ -108,8 +108,6 @@ LOSS_SCALER_PRESETS = ("deepspeed", "megatron", "torch")
 
 # Why a data-parallel strategy does not compose with tensor parallel (docs/parallel.md).
 _NOT_WITH_TP = {
-    "ddp": "DDP on a dp sub-mesh swaps the DTensor parameters for new local ones at every "
-    "forward, which the optimizer, checkpoints and tied embeddings here do not follow",
     "deepspeed": "its engine partitions plain tensors, not DTensor shards",
 }
 

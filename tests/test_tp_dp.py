@@ -16,6 +16,8 @@ import pytest
 from helpers import assert_run_matches, compose_config, run, small_run_overrides
 
 from llm.estimate.estimator import estimate
+from llm.models import build_model, model_args
+from llm.parallel.tensor_parallel import tp_local_shapes
 from llm.validate import model_args_for
 
 STEPS = 3
@@ -59,6 +61,7 @@ def dp_tp_overrides(strategy: str, model: str, sequence_parallel: bool) -> list[
         "train.micro_batch_size=4",
         f"train.max_steps={STEPS}",
         f"checkpoint.every={RESUME_AFTER}",
+        "parallelism.count_comm=true",
     ]
 
 
@@ -79,18 +82,20 @@ def dp_tp_on(tmp_path_factory, text_corpus, cache_dir):
     return get
 
 
-ZERO_LAYOUTS = [
+LAYOUTS = [
     ("zero1", "gpt2-tiny", False),
     pytest.param("zero1", "llama-tiny", True, marks=pytest.mark.slow),
     pytest.param("zero2", "llama-tiny", True, marks=pytest.mark.slow),
     pytest.param("zero2", "gpt2-tiny", False, marks=pytest.mark.slow),
     pytest.param("zero3", "gpt2-tiny", False, marks=pytest.mark.slow),
     pytest.param("zero3", "llama-tiny", True, marks=pytest.mark.slow),
+    pytest.param("ddp", "gpt2-tiny", False, marks=pytest.mark.slow),
+    pytest.param("ddp", "llama-tiny", True, marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), ZERO_LAYOUTS)
-def test_zero_over_dp_times_tensor_parallel(
+@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), LAYOUTS)
+def test_dp_over_tensor_parallel_matches_single_process(
     reference, dp_tp_on, strategy, model, sequence_parallel
 ):
     """Our ZeRO shards each rank's tensor-parallel blocks over its dp group. gpt2-tiny: the
@@ -134,7 +139,7 @@ def test_zero_tp_checkpoint_resumes_in_other_layouts(
     assert_run_matches(reference("llama-tiny"), out, STEPS, first_step=RESUME_AFTER + 1)
 
 
-@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), ZERO_LAYOUTS)
+@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), LAYOUTS)
 def test_estimate_equals_what_each_rank_holds(
     tmp_path, dp_tp_on, text_corpus, cache_dir, strategy, model, sequence_parallel
 ):
@@ -153,3 +158,53 @@ def test_estimate_equals_what_each_rank_holds(
         cfg.estimate.rank = rank
         predicted = estimate(cfg, args).device
         assert {k: predicted[k] for k in held} == held, f"rank {rank}"
+
+
+def _local_params(model: str) -> tuple[int, int, int]:
+    """Parameters one tp rank holds (tensor parallel's split of the padded model): all,
+    those outside the blocks, and those of the norms."""
+    meta = build_model(model_args(model, vocab_size=PADDED_VOCAB))
+    shapes = tp_local_shapes(meta, 2, 0)
+    blocks = {p for p in meta.layers.parameters()}
+    norms = {p for n, p in meta.named_parameters() if "norm" in n}
+    total = sum(s.numel() for s in shapes.values())
+    root = sum(s.numel() for p, s in shapes.items() if p not in blocks)
+    return total, root, sum(shapes[p].numel() for p in norms)
+
+
+@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), LAYOUTS)
+def test_collectives_per_step_on_dp_and_tp(dp_tp_on, strategy, model, sequence_parallel):
+    """Payload bytes per rank and step (fp32): on the dp group, 2 x Φ_local for zero1/2
+    (reduce-scatter of gradients, all-gather of parameters), 3 x Φ_local less the root for
+    zero3 (its blocks gathered in forward and again in backward), one all-reduce of Φ_local
+    for ddp; Φ_local = the parameters of one tp rank, padding of each bucket to a multiple
+    of dp aside. On tp, Megatron's per layer for the dp rank's b=4 sequences (as
+    test_tensor_parallel.py counts them), plus under sequence parallel one all-reduce of
+    each norm gain's Partial gradient, which our ZeRO aligns inside backward."""
+    summary, _ = dp_tp_on(strategy, model, sequence_parallel)
+    args = model_args(model)
+    phi, root, norms = (4 * n for n in _local_params(model))
+    b, s = 4, 64  # train.micro_batch_size, data.seq_len
+    activations = (4 * args.n_layers + 2) * b * s * args.d_model * 4
+    loss = 3 * b * s * 4
+    gains = norms if sequence_parallel and strategy.startswith("zero") else 0
+    expected_tp = (
+        {"tp.all_gather": activations, "tp.reduce_scatter": activations, "tp.all_reduce": loss}
+        if sequence_parallel
+        else {"tp.all_reduce": activations + loss}
+    )
+    expected_dp = {
+        "zero1": {"reduce_scatter": phi, "all_gather": phi},
+        "zero2": {"reduce_scatter": phi, "all_gather": phi},
+        "zero3": {"reduce_scatter": phi, "all_gather": 2 * phi - root},
+        "ddp": {"all_reduce": phi},
+    }[strategy]
+    slack = 64 * 4  # padding: fewer than dp elements per bucket, fp32
+    for rank in summary["comm_bytes_per_step"]:
+        tp = {k: v for k, v in rank.items() if k.startswith("tp.")}
+        dp = {k: v for k, v in rank.items() if not k.startswith("tp.")}
+        assert tp.keys() == expected_tp.keys() and dp.keys() == expected_dp.keys(), rank
+        for kind, value in expected_tp.items():
+            assert tp[kind] == value + (gains if kind == "tp.all_reduce" else 0), kind
+        for kind, value in expected_dp.items():
+            assert dp[kind] == pytest.approx(value, abs=slack), kind

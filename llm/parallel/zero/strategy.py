@@ -294,8 +294,10 @@ class ZeroStrategy(StrategyBase):
             self._sent[kind] += payload.numel() * payload.element_size()
 
     def comm(self) -> dict[str, int]:
+        """Payload bytes of our collectives on the dp group, and under tensor parallel
+        DTensor's on the mesh by dimension (``tp.*``)."""
         sent, self._sent = dict(self._sent), Counter()
-        return sent
+        return sent | self.tp_comm()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Working params (stage 3: the full buffers hold only the blocks gathered now, their
