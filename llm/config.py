@@ -184,7 +184,7 @@ class ParallelismConfig:
         if self.tp_size > 1 and self.name in _NOT_WITH_TP:
             raise ConfigError(
                 f"parallelism={self.name} with tp_size={self.tp_size}: {_NOT_WITH_TP[self.name]}; "
-                "use parallelism=fsdp or zero1-3 for dp x tp, or single for tp alone"
+                "use ddp, fsdp or zero1-3 for dp x tp, or single for tp alone"
             )
         if not 0 <= self.zero_stage <= 3:
             raise ConfigError(f"parallelism.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
