@@ -39,10 +39,9 @@ class TensorParallelDDP(FSDPStrategy):
         replicate(model, **policy)  # the rest: embeddings, final norm, head
         if weights is not None:
             self._materialize_shards(model, weights)
-        if self.cfg.count_comm:
-            for module in model.modules():
-                if module is model or module in model.layers:
-                    module.set_all_reduce_hook(self.counter.all_reduce_hook)
+        if self.cfg.count_comm:  # the hook sees each all-reduced buffer
+            for module in (*model.layers, model):
+                module.set_all_reduce_hook(self.counter.all_reduce_hook)
         self.model = model
         return model
 
