@@ -48,9 +48,10 @@ def reference(tmp_path_factory, text_corpus, cache_dir):
     return get
 
 
-def dp_tp_overrides(strategy: str, model: str, sequence_parallel: bool) -> list[str]:
+def dp_tp_overrides(strategy: str, model: str, sequence_parallel: bool, accum: int) -> list[str]:
     """4 ranks as dp=2 x tp=2 under ``strategy``, small buckets (several per step, pieces
-    cut mid-parameter), checkpointed after step RESUME_AFTER too."""
+    cut mid-parameter), ``accum`` micro-batches per step (each dp rank's 4 sequences in all),
+    checkpointed after step RESUME_AFTER too."""
     return [
         f"model={model}",
         f"parallelism={strategy}",
@@ -58,7 +59,8 @@ def dp_tp_overrides(strategy: str, model: str, sequence_parallel: bool) -> list[
         "parallelism.tp_size=2",
         f"parallelism.sequence_parallel={str(sequence_parallel).lower()}",
         "parallelism.bucket_cap_mb=0.05",
-        "train.micro_batch_size=4",
+        f"train.micro_batch_size={4 // accum}",
+        f"train.grad_accum_steps={accum}",
         f"train.max_steps={STEPS}",
         f"checkpoint.every={RESUME_AFTER}",
         "parallelism.count_comm=true",
@@ -68,11 +70,11 @@ def dp_tp_overrides(strategy: str, model: str, sequence_parallel: bool) -> list[
 @pytest.fixture(scope="module")
 def dp_tp_on(tmp_path_factory, text_corpus, cache_dir):
     """dp=2 x tp=2 runs (``dp_tp_overrides``), once per module:
-    ``dp_tp_on(strategy, model, sequence_parallel) -> (summary, output directory)``."""
+    ``dp_tp_on(strategy, model, sequence_parallel, accum) -> (summary, output directory)``."""
     runs = {}
 
-    def get(strategy: str, model: str, sequence_parallel: bool):
-        key = (strategy, model, sequence_parallel)
+    def get(strategy: str, model: str, sequence_parallel: bool, accum: int = 1):
+        key = (strategy, model, sequence_parallel, accum)
         if key not in runs:
             tmp = tmp_path_factory.mktemp(f"{strategy}_{model}_{sequence_parallel}")
             overrides = dp_tp_overrides(*key)
@@ -82,26 +84,30 @@ def dp_tp_on(tmp_path_factory, text_corpus, cache_dir):
     return get
 
 
+# (strategy, model, sequence_parallel, micro-batches per step). With 2 micro-batches zero1
+# adds each DTensor gradient into its bucket twice before one reduce-scatter, and ddp skips
+# the first all-reduce.
 LAYOUTS = [
-    ("zero1", "gpt2-tiny", False),
-    pytest.param("zero1", "llama-tiny", True, marks=pytest.mark.slow),
-    pytest.param("zero2", "llama-tiny", True, marks=pytest.mark.slow),
-    pytest.param("zero2", "gpt2-tiny", False, marks=pytest.mark.slow),
-    pytest.param("zero3", "gpt2-tiny", False, marks=pytest.mark.slow),
-    pytest.param("zero3", "llama-tiny", True, marks=pytest.mark.slow),
-    pytest.param("ddp", "gpt2-tiny", False, marks=pytest.mark.slow),
-    pytest.param("ddp", "llama-tiny", True, marks=pytest.mark.slow),
+    ("zero1", "gpt2-tiny", False, 1),
+    pytest.param("zero1", "llama-tiny", True, 2, marks=pytest.mark.slow),
+    pytest.param("zero2", "llama-tiny", True, 1, marks=pytest.mark.slow),
+    pytest.param("zero2", "gpt2-tiny", False, 1, marks=pytest.mark.slow),
+    pytest.param("zero3", "gpt2-tiny", False, 1, marks=pytest.mark.slow),
+    pytest.param("zero3", "llama-tiny", True, 1, marks=pytest.mark.slow),
+    pytest.param("ddp", "gpt2-tiny", False, 1, marks=pytest.mark.slow),
+    pytest.param("ddp", "llama-tiny", True, 2, marks=pytest.mark.slow),
 ]
+LAYOUT_NAMES = ("strategy", "model", "sequence_parallel", "accum")
 
 
-@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), LAYOUTS)
+@pytest.mark.parametrize(LAYOUT_NAMES, LAYOUTS)
 def test_dp_over_tensor_parallel_matches_single_process(
-    reference, dp_tp_on, strategy, model, sequence_parallel
+    reference, dp_tp_on, strategy, model, sequence_parallel, accum
 ):
     """Our ZeRO shards each rank's tensor-parallel blocks over its dp group. gpt2-tiny: the
     tied embedding (one DTensor, two uses), biases, learned positions; llama-tiny: GQA,
     SwiGLU, and under sequence parallel Partial gradients of the norm gains."""
-    summary, out = dp_tp_on(strategy, model, sequence_parallel)
+    summary, out = dp_tp_on(strategy, model, sequence_parallel, accum)
     assert summary["tp_size"] == 2 and summary["dp_size"] == 2
     assert summary["skipped_steps"] == 0
     assert_run_matches(reference(model), out, STEPS)
@@ -139,15 +145,15 @@ def test_zero_tp_checkpoint_resumes_in_other_layouts(
     assert_run_matches(reference("llama-tiny"), out, STEPS, first_step=RESUME_AFTER + 1)
 
 
-@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), LAYOUTS)
+@pytest.mark.parametrize(LAYOUT_NAMES, LAYOUTS)
 def test_estimate_equals_what_each_rank_holds(
-    tmp_path, dp_tp_on, text_corpus, cache_dir, strategy, model, sequence_parallel
+    tmp_path, dp_tp_on, text_corpus, cache_dir, strategy, model, sequence_parallel, accum
 ):
     """llm.estimate's model states (a plain meta model, tensor parallel's split read off its
     plan, our ZeRO's buckets over dp=2) equal strategy.memory() after a step on each of the
     4 ranks, byte for byte."""
-    summary, _ = dp_tp_on(strategy, model, sequence_parallel)
-    overrides = dp_tp_overrides(strategy, model, sequence_parallel)
+    summary, _ = dp_tp_on(strategy, model, sequence_parallel, accum)
+    overrides = dp_tp_overrides(strategy, model, sequence_parallel, accum)
     cfg = compose_config(
         [*small_run_overrides(tmp_path, text_corpus, cache_dir, *overrides), "estimate.device=cpu"]
     )
@@ -172,23 +178,25 @@ def _local_params(model: str) -> tuple[int, int, int]:
     return total, root, sum(shapes[p].numel() for p in norms)
 
 
-@pytest.mark.parametrize(("strategy", "model", "sequence_parallel"), LAYOUTS)
-def test_collectives_per_step_on_dp_and_tp(dp_tp_on, strategy, model, sequence_parallel):
+@pytest.mark.parametrize(LAYOUT_NAMES, LAYOUTS)
+def test_collectives_per_step_on_dp_and_tp(dp_tp_on, strategy, model, sequence_parallel, accum):
     """Payload bytes per rank and step (fp32): on the dp group, 2 x Φ_local for zero1/2
     (reduce-scatter of gradients, all-gather of parameters), 3 x Φ_local less the root for
     zero3 (its blocks gathered in forward and again in backward), one all-reduce of Φ_local
     for ddp; Φ_local = the parameters of one tp rank, padding of each bucket to a multiple
     of dp aside. On tp, Megatron's per layer for the dp rank's b=4 sequences (as
     test_tensor_parallel.py counts them), plus under sequence parallel one all-reduce of
-    each norm gain's Partial gradient, which our ZeRO's gradient hook and FSDP2's
-    replicate both resolve inside backward."""
-    summary, _ = dp_tp_on(strategy, model, sequence_parallel)
+    each norm gain's Partial gradient, which our ZeRO's gradient hook (every micro-batch)
+    and FSDP2's replicate (the micro-batch that syncs) resolve inside backward."""
+    summary, _ = dp_tp_on(strategy, model, sequence_parallel, accum)
     args = model_args(model)
     phi, root, norms = (4 * n for n in _local_params(model))
-    b, s = 4, 64  # train.micro_batch_size, data.seq_len
+    b, s = 4, 64  # sequences per dp rank and step (all micro-batches), data.seq_len
     activations = (4 * args.n_layers + 2) * b * s * args.d_model * 4
     loss = 3 * b * s * 4
-    gains = norms if sequence_parallel else 0
+    # Our ZeRO's hook resolves them on every micro-batch; replicate once, at the sync.
+    per_step = accum if strategy.startswith("zero") else 1
+    gains = per_step * norms if sequence_parallel else 0
     expected_tp = (
         {"tp.all_gather": activations, "tp.reduce_scatter": activations, "tp.all_reduce": loss}
         if sequence_parallel
