@@ -20,8 +20,8 @@ from llm.models import build_model, model_args
 from llm.parallel.tensor_parallel import tp_local_shapes
 from llm.validate import model_args_for
 
-STEPS = 3
-RESUME_AFTER = 2  # the step whose checkpoint other layouts resume from
+STEPS = 2
+RESUME_AFTER = 1  # the step whose checkpoint other layouts resume from
 PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
 
 
@@ -104,9 +104,10 @@ LAYOUT_NAMES = ("strategy", "model", "sequence_parallel", "accum")
 def test_dp_over_tensor_parallel_matches_single_process(
     reference, dp_tp_on, strategy, model, sequence_parallel, accum
 ):
-    """Our ZeRO shards each rank's tensor-parallel blocks over its dp group. gpt2-tiny: the
-    tied embedding (one DTensor, two uses), biases, learned positions; llama-tiny: GQA,
-    SwiGLU, and under sequence parallel Partial gradients of the norm gains."""
+    """Our ZeRO shards each rank's tensor-parallel blocks over its dp group, ddp replicates
+    them. gpt2-tiny: the tied embedding (one DTensor, two uses), biases, learned positions;
+    llama-tiny: GQA, SwiGLU, and under sequence parallel Partial gradients of the norm
+    gains."""
     summary, out = dp_tp_on(strategy, model, sequence_parallel, accum)
     assert summary["tp_size"] == 2 and summary["dp_size"] == 2
     assert summary["skipped_steps"] == 0
@@ -124,14 +125,11 @@ def test_zero_tp_checkpoint_resumes_in_other_layouts(
 ):
     """DCP holds the zero3 (dp=2 x tp=2, sequence parallel) run's pieces at their places in
     the whole parameters: tensor parallel alone (2 ranks, DTensor shards) and FSDP2 over
-    dp=2 x tp=2 read them, and step 3 continues the uninterrupted run."""
+    dp=2 x tp=2 read them, and the next step continues the uninterrupted run. The resumed
+    runs' held bytes check the estimator for these two layouts too."""
     _, saved = dp_tp_on("zero3", "llama-tiny", True)
     checkpoint = saved / "checkpoints" / f"step_{RESUME_AFTER:06d}"
-    summary, out = run(
-        tmp_path,
-        "resumed",
-        text_corpus,
-        cache_dir,
+    overrides = [
         "model=llama-tiny",
         *layout,
         f"launcher.nproc_per_node={nproc}",
@@ -140,30 +138,38 @@ def test_zero_tp_checkpoint_resumes_in_other_layouts(
         f"train.micro_batch_size={8 * 2 // nproc}",
         f"train.max_steps={STEPS}",
         f"checkpoint.resume={checkpoint}",
-    )
+    ]
+    summary, out = run(tmp_path, "resumed", text_corpus, cache_dir, *overrides)
     assert summary["tp_size"] == 2
     assert_run_matches(reference("llama-tiny"), out, STEPS, first_step=RESUME_AFTER + 1)
+    assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, nproc)
+
+
+def assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, nproc):
+    """llm.estimate's model states (a plain meta model, tensor parallel's split read off its
+    plan, the strategy's sharding over dp) equal strategy.memory() after a step on every
+    rank, byte for byte."""
+    cfg = compose_config(
+        [*small_run_overrides(tmp_path, text_corpus, cache_dir, *overrides), "estimate.device=cpu"]
+    )
+    args = model_args_for(cfg, vocab_size=PADDED_VOCAB)
+    measured = summary["model_state_bytes"]
+    assert len(measured) == nproc
+    for rank, held in enumerate(measured):
+        cfg.estimate.rank = rank
+        predicted = estimate(cfg, args).device
+        assert {k: predicted[k] for k in held} == held, f"rank {rank}"
 
 
 @pytest.mark.parametrize(LAYOUT_NAMES, LAYOUTS)
 def test_estimate_equals_what_each_rank_holds(
     tmp_path, dp_tp_on, text_corpus, cache_dir, strategy, model, sequence_parallel, accum
 ):
-    """llm.estimate's model states (a plain meta model, tensor parallel's split read off its
-    plan, our ZeRO's buckets over dp=2) equal strategy.memory() after a step on each of the
-    4 ranks, byte for byte."""
+    """The estimator against every rank of each dp=2 x tp=2 run (our ZeRO's buckets of the
+    local blocks, ddp's replicas of them)."""
     summary, _ = dp_tp_on(strategy, model, sequence_parallel, accum)
     overrides = dp_tp_overrides(strategy, model, sequence_parallel, accum)
-    cfg = compose_config(
-        [*small_run_overrides(tmp_path, text_corpus, cache_dir, *overrides), "estimate.device=cpu"]
-    )
-    args = model_args_for(cfg, vocab_size=PADDED_VOCAB)
-    measured = summary["model_state_bytes"]
-    assert len(measured) == 4
-    for rank, held in enumerate(measured):
-        cfg.estimate.rank = rank
-        predicted = estimate(cfg, args).device
-        assert {k: predicted[k] for k in held} == held, f"rank {rank}"
+    assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, 4)
 
 
 def _local_params(model: str) -> tuple[int, int, int]:
