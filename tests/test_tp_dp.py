@@ -13,12 +13,26 @@ norms, 1e-4 relative + 1e-5 absolute on final weights.
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from helpers import assert_run_matches, compose_config, run, small_run_overrides
+from torch.distributed.tensor import DTensor
 
+from llm.config import ParallelismConfig
 from llm.estimate.estimator import estimate
-from llm.models import build_model, model_args
-from llm.parallel.tensor_parallel import tp_local_shapes
+from llm.launch import free_port
+from llm.models import InitSource, build_model, materialize_from, model_args
+from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    local_tensor,
+    tp_local_shapes,
+)
+from llm.precision import resolve_precision
 from llm.validate import model_args_for
+
+CPU = torch.device("cpu")
 
 STEPS = 2
 RESUME_AFTER = 1  # the step whose checkpoint other layouts resume from
@@ -223,3 +237,58 @@ def test_collectives_per_step_on_dp_and_tp(dp_tp_on, strategy, model, sequence_p
             assert tp[kind] == value + (gains if kind == "tp.all_reduce" else 0), kind
         for kind, value in expected_dp.items():
             assert dp[kind] == pytest.approx(value, abs=slack), kind
+
+
+def _wrap_materialised_tp_model(rank: int, world: int, port: int, results) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        dims = ParallelDims.from_config(-1, 2, 1, world, rank)  # dp=1 x tp=2
+        args = model_args("llama-tiny", vocab_size=PADDED_VOCAB)
+        model = apply_tensor_parallel(build_model(args), dims.tp_mesh(), sequence_parallel=False)
+        materialize_from(model, InitSource(args, seed=0), CPU)
+        tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+        before = {n: local_tensor(p).clone() for n, p in model.named_parameters()}
+        split = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+        with torch.no_grad():
+            logits = model(tokens).to_local()
+        strategy = build_strategy(
+            ParallelismConfig(name="zero1", tp_size=2, bucket_cap_mb=0.05),
+            dims,
+            resolve_precision("fp32", CPU),
+            CPU,
+        )
+        strategy.wrap(model)  # no weight source: the blocks are taken as they are
+        after = {n: p for n, p in model.named_parameters()}
+        buckets = {id(s.param): b for b in strategy.buffers for s in b.bucket.slots}
+        results[rank] = {
+            "same_values": all(torch.equal(local_tensor(after[n]), v) for n, v in before.items()),
+            "dtensors": {n for n, p in after.items() if isinstance(p, DTensor)} == split != set(),
+            "views_of_buckets": all(
+                local_tensor(p).untyped_storage().data_ptr()
+                == buckets[id(p)].full.untyped_storage().data_ptr()
+                for p in after.values()
+            ),
+            "same_logits": torch.equal(model(tokens).detach().to_local(), logits),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_zero_takes_a_materialised_tensor_parallel_model():
+    """``wrap(model)`` without a weight source reads each DTensor's local block
+    (ModuleSource), and leaves every split parameter a DTensor (the norms stay plain), each
+    a view of its bucket: the values and the forward are unchanged (2 ranks, dp=1 x tp=2)."""
+    results = mp.Manager().dict()
+    mp.start_processes(
+        _wrap_materialised_tp_model,
+        args=(2, free_port(), results),
+        nprocs=2,
+        start_method="spawn",
+    )
+    for rank in range(2):
+        assert results[rank] == dict.fromkeys(
+            ("same_values", "dtensors", "views_of_buckets", "same_logits"), True
+        ), rank
