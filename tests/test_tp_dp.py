@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import assert_run_matches, compose_config, run, small_run_overrides
+from helpers import assert_run_matches, compose_config, read_metrics, run, small_run_overrides
 from torch.distributed.tensor import DTensor
 
 from llm.config import ParallelismConfig
@@ -292,3 +292,42 @@ def test_zero_takes_a_materialised_tensor_parallel_model():
         assert results[rank] == dict.fromkeys(
             ("same_values", "dtensors", "views_of_buckets", "same_logits"), True
         ), rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_zero_tp_bf16_tracks_one_bf16_process(
+    tmp_path, text_corpus, cache_dir, bf16_reference, strategy
+):
+    """precision=bf16 (bf16 working blocks, fp32 masters and reductions) against one bf16
+    process, with test_bf16_parity.py's tolerances and reasons (u/2 = 2^-9 on losses, one
+    bf16 ulp 2^-7 on clipping norms: the runs differ in where bf16 rounding happens); the
+    estimator's bytes, with the masters apart from the working blocks, on every rank."""
+    overrides = [*dp_tp_overrides(strategy, "llama-tiny", True, 1), "precision=bf16"]
+    summary, out = run(tmp_path, strategy, text_corpus, cache_dir, *overrides)
+    ref_losses, ref_norms = bf16_reference
+    got = {m["step"]: m for m in read_metrics(out) if "loss" in m}
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, m in got.items():
+        assert m["loss"] == pytest.approx(ref_losses[step], rel=2**-9), step
+        assert m["grad_norm"] == pytest.approx(ref_norms[step], rel=2**-7), step
+    assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, 4)
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory, text_corpus, cache_dir):
+    """One bf16 process: ``({step: loss}, {step: clipping norm})``."""
+    tmp = tmp_path_factory.mktemp("tp_dp_bf16_reference")
+    _, out = run(
+        tmp,
+        "single",
+        text_corpus,
+        cache_dir,
+        "model=llama-tiny",
+        f"model.vocab_size={PADDED_VOCAB}",
+        "precision=bf16",
+        "train.micro_batch_size=8",
+        f"train.max_steps={STEPS}",
+    )
+    metrics = [m for m in read_metrics(out) if "loss" in m]
+    return {m["step"]: m["loss"] for m in metrics}, {m["step"]: m["grad_norm"] for m in metrics}
