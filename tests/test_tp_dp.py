@@ -159,6 +159,30 @@ def test_zero_tp_checkpoint_resumes_in_other_layouts(
     assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, nproc)
 
 
+@pytest.mark.slow
+def test_tp_checkpoint_resumes_under_zero(tmp_path, reference, text_corpus, cache_dir):
+    """The other way: tensor parallel alone (2 ranks, sequence parallel) writes DTensor
+    shards after step 1; zero1 over dp=2 x tp=2 reads into its pieces the chunks that
+    overlap them, and step 2 continues the uninterrupted run."""
+    tp_alone = [
+        "model=llama-tiny",
+        "launcher.nproc_per_node=2",
+        "parallelism.tp_size=2",
+        "parallelism.sequence_parallel=true",
+        "train.micro_batch_size=8",
+        f"train.max_steps={STEPS}",
+        f"train.stop_at_step={RESUME_AFTER}",  # the schedule still spans STEPS
+        f"checkpoint.every={RESUME_AFTER}",
+    ]
+    _, saved = run(tmp_path, "tp_alone", text_corpus, cache_dir, *tp_alone)
+    checkpoint = saved / "checkpoints" / f"step_{RESUME_AFTER:06d}"
+    overrides = dp_tp_overrides("zero1", "llama-tiny", True, 1)
+    _, out = run(
+        tmp_path, "zero1", text_corpus, cache_dir, *overrides, f"checkpoint.resume={checkpoint}"
+    )
+    assert_run_matches(reference("llama-tiny"), out, STEPS, first_step=RESUME_AFTER + 1)
+
+
 def assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, nproc):
     """llm.estimate's model states (a plain meta model, tensor parallel's split read off its
     plan, the strategy's sharding over dp) equal strategy.memory() after a step on every
