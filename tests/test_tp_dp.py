@@ -318,6 +318,25 @@ def test_zero_takes_a_materialised_tensor_parallel_model():
         ), rank
 
 
+@pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory, text_corpus, cache_dir):
+    """One bf16 process: ``({step: loss}, {step: clipping norm})``."""
+    tmp = tmp_path_factory.mktemp("tp_dp_bf16_reference")
+    _, out = run(
+        tmp,
+        "single",
+        text_corpus,
+        cache_dir,
+        "model=llama-tiny",
+        f"model.vocab_size={PADDED_VOCAB}",
+        "precision=bf16",
+        "train.micro_batch_size=8",
+        f"train.max_steps={STEPS}",
+    )
+    metrics = [m for m in read_metrics(out) if "loss" in m]
+    return {m["step"]: m["loss"] for m in metrics}, {m["step"]: m["grad_norm"] for m in metrics}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])
 def test_zero_tp_bf16_tracks_one_bf16_process(
@@ -336,22 +355,3 @@ def test_zero_tp_bf16_tracks_one_bf16_process(
         assert m["loss"] == pytest.approx(ref_losses[step], rel=2**-9), step
         assert m["grad_norm"] == pytest.approx(ref_norms[step], rel=2**-7), step
     assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, 4)
-
-
-@pytest.fixture(scope="module")
-def bf16_reference(tmp_path_factory, text_corpus, cache_dir):
-    """One bf16 process: ``({step: loss}, {step: clipping norm})``."""
-    tmp = tmp_path_factory.mktemp("tp_dp_bf16_reference")
-    _, out = run(
-        tmp,
-        "single",
-        text_corpus,
-        cache_dir,
-        "model=llama-tiny",
-        f"model.vocab_size={PADDED_VOCAB}",
-        "precision=bf16",
-        "train.micro_batch_size=8",
-        f"train.max_steps={STEPS}",
-    )
-    metrics = [m for m in read_metrics(out) if "loss" in m]
-    return {m["step"]: m["loss"] for m in metrics}, {m["step"]: m["grad_norm"] for m in metrics}
