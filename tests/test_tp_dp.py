@@ -1,6 +1,7 @@
 """Data parallel over the dp sub-mesh with tensor parallel (dp=2 x tp=2, 4 gloo ranks): our
-ZeRO stages and ddp against one process, fp32, same seed and data; their checkpoints
-resumed in other layouts; and the estimator's model-state bytes against the strategy's.
+ZeRO stages and ddp against one process, same seed and data (fp32; zero1/zero3 in bf16
+too); their collectives per step on dp and tp; checkpoints resumed across layouts; and the
+estimator's model-state bytes against what each rank holds.
 
 As in test_tensor_parallel.py the tp runs pad the byte tokenizer's 257 tokens to 258 and
 the reference is built with model.vocab_size=258; each dp rank reads half the global batch
