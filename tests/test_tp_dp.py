@@ -1,6 +1,7 @@
 """Data parallel over the dp sub-mesh with tensor parallel (dp=2 x tp=2, 4 gloo ranks): our
-ZeRO stages and ddp against one process, fp32, same seed and data; their checkpoints
-resumed in other layouts; and the estimator's model-state bytes against the strategy's.
+ZeRO stages and ddp against one process, same seed and data (fp32; zero1/zero3 in bf16
+too); their collectives per step on dp and tp; checkpoints resumed across layouts; and the
+estimator's model-state bytes against what each rank holds.
 
 As in test_tensor_parallel.py the tp runs pad the byte tokenizer's 257 tokens to 258 and
 the reference is built with model.vocab_size=258; each dp rank reads half the global batch
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import assert_run_matches, compose_config, run, small_run_overrides
+from helpers import assert_run_matches, compose_config, read_metrics, run, small_run_overrides
 from torch.distributed.tensor import DTensor
 
 from llm.config import ParallelismConfig
@@ -159,6 +160,30 @@ def test_zero_tp_checkpoint_resumes_in_other_layouts(
     assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, nproc)
 
 
+@pytest.mark.slow
+def test_tp_checkpoint_resumes_under_zero(tmp_path, reference, text_corpus, cache_dir):
+    """The other way: tensor parallel alone (2 ranks, sequence parallel) writes DTensor
+    shards after step 1; zero1 over dp=2 x tp=2 reads into its pieces the chunks that
+    overlap them, and step 2 continues the uninterrupted run."""
+    tp_alone = [
+        "model=llama-tiny",
+        "launcher.nproc_per_node=2",
+        "parallelism.tp_size=2",
+        "parallelism.sequence_parallel=true",
+        "train.micro_batch_size=8",
+        f"train.max_steps={STEPS}",
+        f"train.stop_at_step={RESUME_AFTER}",  # the schedule still spans STEPS
+        f"checkpoint.every={RESUME_AFTER}",
+    ]
+    _, saved = run(tmp_path, "tp_alone", text_corpus, cache_dir, *tp_alone)
+    checkpoint = saved / "checkpoints" / f"step_{RESUME_AFTER:06d}"
+    overrides = dp_tp_overrides("zero1", "llama-tiny", True, 1)
+    _, out = run(
+        tmp_path, "zero1", text_corpus, cache_dir, *overrides, f"checkpoint.resume={checkpoint}"
+    )
+    assert_run_matches(reference("llama-tiny"), out, STEPS, first_step=RESUME_AFTER + 1)
+
+
 def assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, nproc):
     """llm.estimate's model states (a plain meta model, tensor parallel's split read off its
     plan, the strategy's sharding over dp) equal strategy.memory() after a step on every
@@ -292,3 +317,42 @@ def test_zero_takes_a_materialised_tensor_parallel_model():
         assert results[rank] == dict.fromkeys(
             ("same_values", "dtensors", "views_of_buckets", "same_logits"), True
         ), rank
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory, text_corpus, cache_dir):
+    """One bf16 process: ``({step: loss}, {step: clipping norm})``."""
+    tmp = tmp_path_factory.mktemp("tp_dp_bf16_reference")
+    _, out = run(
+        tmp,
+        "single",
+        text_corpus,
+        cache_dir,
+        "model=llama-tiny",
+        f"model.vocab_size={PADDED_VOCAB}",
+        "precision=bf16",
+        "train.micro_batch_size=8",
+        f"train.max_steps={STEPS}",
+    )
+    metrics = [m for m in read_metrics(out) if "loss" in m]
+    return {m["step"]: m["loss"] for m in metrics}, {m["step"]: m["grad_norm"] for m in metrics}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_zero_tp_bf16_tracks_one_bf16_process(
+    tmp_path, text_corpus, cache_dir, bf16_reference, strategy
+):
+    """precision=bf16 (bf16 working blocks, fp32 masters and reductions) against one bf16
+    process, with test_bf16_parity.py's tolerances and reasons (u/2 = 2^-9 on losses, one
+    bf16 ulp 2^-7 on clipping norms: the runs differ in where bf16 rounding happens); the
+    estimator's bytes, with the masters apart from the working blocks, on every rank."""
+    overrides = [*dp_tp_overrides(strategy, "llama-tiny", True, 1), "precision=bf16"]
+    summary, out = run(tmp_path, strategy, text_corpus, cache_dir, *overrides)
+    ref_losses, ref_norms = bf16_reference
+    got = {m["step"]: m for m in read_metrics(out) if "loss" in m}
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, m in got.items():
+        assert m["loss"] == pytest.approx(ref_losses[step], rel=2**-9), step
+        assert m["grad_norm"] == pytest.approx(ref_norms[step], rel=2**-7), step
+    assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary, 4)

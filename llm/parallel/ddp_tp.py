@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# torch 2.13 ships the FSDP2-based replicate in this module only (private name, public use
-# in torchtitan's DDP).
+# torch 2.13 ships the FSDP2-based replicate in this module only (a private module name;
+# `torch.distributed._composable.replicate` is the older, DDP-based one).
 from torch.distributed._composable.replicate_with_fsdp import replicate
 
 from llm.config import OptimizerConfig
