@@ -102,7 +102,7 @@ SLOW_VARIANTS = {
     "tests/test_zero.py::test_communication_per_step_is_2phi_or_3phi[2]",
     # Peak against the paper: stages 2 and 3 stay fast.
     "tests/test_zero_memory.py::test_peak_model_state_follows_the_paper[1]",
-    # FSDP2: 2 ranks, and resume 4 -> 2 and 2 -> 1, stay fast.
+    # FSDP2: 2 ranks, and resume 2 -> 1, stay fast.
     "tests/test_fsdp.py::test_hsdp_two_replicas_of_two_shards",
     "tests/test_fsdp.py::test_fsdp_matches_single_process[4]",
     "tests/test_fsdp.py::test_checkpoint_resumes_on_another_world_size[2-4]",
@@ -136,6 +136,13 @@ SLOW_VARIANTS = {
     "tests/test_zero_memory.py::test_peak_model_state_follows_the_paper[2]",
     # Frozen parameters: fsdp and zero3's fully frozen root stay fast.
     "tests/test_freeze.py::test_two_ranks_with_frozen_parameters_match_one_process[ddp]",
+    # Made room for tensor and pipeline parallel in CI's 15 minutes: FSDP resume 2 -> 1 and
+    # test_checkpoint's world-size change stay fast; zero1 parity runs fast over dp x tp
+    # (test_tp_dp) and at the default bucket size; the estimator's equality with
+    # strategy.memory() runs fast on every rank of test_tp_dp's zero1 dp x tp run.
+    "tests/test_fsdp.py::test_checkpoint_resumes_on_another_world_size[4-2]",
+    "tests/test_zero.py::test_zero_matches_single_process[1-2]",
+    "tests/test_estimate.py::test_model_states_equal_zero3",
 }
 
 
