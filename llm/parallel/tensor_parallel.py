@@ -123,14 +123,16 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     }
     if sp:
         plan["norm"] = SequenceParallel()
-        if hasattr(model, "pos_embeddings"):
-            # The replicated (T, d) or (B, T, d) position rows, cut to this rank's sequence
-            # shard (dim -2 in both); backward all-gathers its gradient, equal on every rank.
-            plan["pos_embeddings"] = PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Shard(-2)
-            )
+        # The replicated (T, d) or (B, T, d) position rows, cut to this rank's sequence
+        # shard (dim -2 in both); backward all-gathers its gradient, equal on every rank.
+        plan["pos_embeddings"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(-2)
+        )
+    # A pipeline stage's part holds some of these modules only.
+    plan = {name: style for name, style in plan.items() if hasattr(model, name)}
     parallelize_module(model, mesh, plan)
-    for block in model.layers:
+    layers = model.layers
+    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(block, mesh, _block_plan(model.args.family, sp))
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp
