@@ -79,7 +79,7 @@ class Pipeline:
         self.has_first = any(s.is_first for s in self.stages)
         self._loss_fn: LossFn | None = None
         self._scale: torch.Tensor | None = None
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._losses: list[torch.Tensor] = []
         cls = SCHEDULES[part.layout.schedule]
         first = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
         self.schedule = cls(
@@ -90,7 +90,7 @@ class Pipeline:
         """The last stage's loss per micro-batch: summed (the Trainer's loss), kept unscaled
         for the step's loss sum, returned scaled for backward."""
         loss = self._loss_fn(logits, targets)
-        self._loss_sum += loss.detach()
+        self._losses.append(loss.detach())
         if self._scale is None:  # evaluation: no backward
             return loss
         return self.scaler.scale_loss(loss * self._scale)
@@ -119,14 +119,20 @@ class Pipeline:
 
     def _run(self, batches, loss_fn, forward_context, scale) -> torch.Tensor:
         self._loss_fn, self._scale = loss_fn, scale
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.part.context = forward_context
         run = self.schedule.step if scale is not None else self.schedule.eval
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for input_ids, targets, _ in batches:
             # Every rank reads the batch; the first stage takes the ids, the last the targets.
             args = (input_ids,) if self.has_first else ()
+            self._losses = []
             run(*args, target=targets, return_outputs=False)
-        return self._loss_sum
+            # The schedule's first call also infers the stages' shapes with one forward and
+            # loss (of placeholder activations past the first stage): the micro-batches' own
+            # losses are the last ones.
+            for loss in self._losses[len(self._losses) - self.microbatches :]:
+                loss_sum += loss
+        return loss_sum
 
     def grad_copies(self, param: torch.Tensor) -> int:
         """On how many pipeline ranks ``param``'s gradient exists (2 for a tied embedding
