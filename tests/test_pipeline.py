@@ -65,8 +65,9 @@ def pp_run(tmp_path, text_corpus, cache_dir, model, schedule, *extra, nproc=2, n
     ("model", "schedule", "extra"),
     [
         ("gpt2-tiny", "1f1b", ("parallelism.pp_microbatches=4",)),
-        ("gpt2-tiny", "gpipe", ()),
-        ("llama-tiny", "1f1b", ()),
+        ("llama-tiny", "gpipe", ()),
+        pytest.param("gpt2-tiny", "gpipe", (), marks=pytest.mark.slow),
+        pytest.param("llama-tiny", "1f1b", (), marks=pytest.mark.slow),
     ],
 )
 def test_pipeline_matches_single_process(
@@ -77,3 +78,92 @@ def test_pipeline_matches_single_process(
     summary, out = pp_run(tmp_path, text_corpus, cache_dir, model, schedule, *extra)
     assert summary["pp_size"] == 2 and summary["dp_size"] == 1
     assert_run_matches(reference(model), out, STEPS)
+
+
+def test_balanced_stages_and_placements():
+    """Blocks split evenly, the remainder on the first stages; looped schedules place
+    stage s on rank s % pp, the V-shaped ones rank r's stages at r and 2p-1-r."""
+    layout = PipelineLayout(n_layers=7, pp_size=2, virtual_stages=2, schedule="interleaved_1f1b")
+    assert layout.stage_blocks() == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+    assert [layout.stages_of(r) for r in (0, 1)] == [(0, 2), (1, 3)]
+    v = PipelineLayout(n_layers=4, pp_size=2, virtual_stages=2, schedule="zbv_zero_bubble")
+    assert [v.stages_of(r) for r in (0, 1)] == [(0, 3), (1, 2)]
+    split = PipelineLayout(n_layers=4, pp_size=2, virtual_stages=1, schedule="1f1b", split=(3,))
+    assert split.stage_blocks() == [range(0, 3), range(3, 4)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["parallelism.pp_size=4", "launcher.nproc_per_node=4"],
+            "model.n_layers=2 is fewer than the 4 pipeline stages",
+        ),
+        (
+            ["parallelism.pp_microbatches=3"],
+            "train.micro_batch_size=4 is not divisible by the 3 pipeline micro-batches",
+        ),
+        (
+            ["parallelism.pp_microbatches=1"],
+            "1f1b needs at least as many micro-batches as stages",
+        ),
+        (
+            ["parallelism.pp_schedule=interleaved_1f1b"],
+            "interleaves several stages per rank; set parallelism.pp_virtual_stages >= 2",
+        ),
+        (
+            ["parallelism.pp_schedule=zbv_zero_bubble", "parallelism.pp_virtual_stages=3"],
+            "places exactly 2 stages per rank in a V",
+        ),
+        (["parallelism.pp_virtual_stages=2"], "1f1b runs one stage per rank"),
+        (
+            [
+                "model.n_layers=6",
+                "parallelism.pp_schedule=interleaved_1f1b",
+                "parallelism.pp_virtual_stages=2",
+                "parallelism.pp_microbatches=5",
+                "train.micro_batch_size=5",
+            ],
+            "pp_microbatches=5 is not a multiple of 2 rounds",
+        ),
+        (
+            [
+                "model.n_layers=4",
+                "parallelism.pp_schedule=dualpipev",
+                "parallelism.pp_virtual_stages=2",
+            ],
+            "dualpipev needs at least as many micro-batches as its 4 stages",
+        ),
+        (["parallelism.pp_split=[2]"], "parallelism.pp_split=[2] must name 1 increasing"),
+        (
+            ["data.packing=true", "attention.document_mask=true"],
+            "document ids are not passed between pipeline stages",
+        ),
+        (["optimizer=sophia"], "its extra gradient pass is not run through the pipeline"),
+        (["train.compile=true"], "the stage modules are not compiled here"),
+        (["parallelism=ddp"], "parallelism=ddp with pp_size=2"),
+        (["parallelism=zero2"], "parallelism=zero2 with pp_size=2"),
+        (["parallelism=deepspeed"], "parallelism=deepspeed with pp_size=2"),
+        (
+            ["launcher.nproc_per_node=4", "parallelism=single"],
+            "tp_size x pp_size = 2) but 4 ranks were asked for",
+        ),
+        (
+            ["launcher.nproc_per_node=4", "parallelism=fsdp", "parallelism.dp_size=3"],
+            "dp_size*tp_size*pp_size = 3*1*2 != world size 4",
+        ),
+    ],
+)
+def test_impossible_pipelines_are_refused(tmp_path, overrides, message):
+    """One line each, before any rank starts."""
+    base = ["launcher.nproc_per_node=2", "parallelism.pp_size=2"]
+    with pytest.raises(ConfigError) as err:
+        validate(
+            compose_config(small_run_overrides(tmp_path, tmp_path, tmp_path, *base, *overrides))
+        )
+    assert message in one_line(err)
+
+
+def test_microbatches_default_to_one_per_stage():
+    assert ParallelismConfig(pp_size=4).microbatches == 4
+    assert ParallelismConfig(pp_size=4, pp_microbatches=8).microbatches == 8
