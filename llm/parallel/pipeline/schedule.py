@@ -27,6 +27,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from llm.config import PP_V_SHAPED
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline.modules import PipelinePart
 from llm.parallel.pipeline.tied import TiedEmbeddings
@@ -113,9 +114,18 @@ class Pipeline:
         loss_fn: LossFn,
         forward_context: Callable[[], AbstractContextManager],
     ) -> torch.Tensor:
-        """The summed loss of one batch, forward only (zero unless this rank holds the
-        last stage)."""
-        return self._run([batch], loss_fn, forward_context, None)
+        """The summed loss of one batch (zero unless this rank holds the last stage),
+        forward only. torch 2.13's ``eval()`` of the V-shaped schedules runs their
+        input-gradient actions and fails ("can't steal_bwd_input"): those evaluate with a
+        training step whose gradients are dropped (evaluation runs between steps, when
+        there are none)."""
+        if self.part.layout.schedule not in PP_V_SHAPED:
+            return self._run([batch], loss_fn, forward_context, None)
+        with torch.enable_grad():
+            loss_sum = self._run([batch], loss_fn, forward_context, torch.ones(()))
+        for param in self.part.parameters():
+            param.grad = None
+        return loss_sum
 
     def _run(self, batches, loss_fn, forward_context, scale) -> torch.Tensor:
         self._loss_fn, self._scale = loss_fn, scale
