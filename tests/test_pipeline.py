@@ -11,7 +11,14 @@ all-reduce), hence 1e-5 relative on losses and clipping norms, 1e-4 / 1e-5 on we
 from __future__ import annotations
 
 import pytest
-from helpers import assert_run_matches, compose_config, one_line, run, small_run_overrides
+from helpers import (
+    assert_run_matches,
+    compose_config,
+    one_line,
+    run,
+    small_run_overrides,
+    train_losses,
+)
 
 from llm.config import ParallelismConfig
 from llm.errors import ConfigError
@@ -167,3 +174,123 @@ def test_impossible_pipelines_are_refused(tmp_path, overrides, message):
 def test_microbatches_default_to_one_per_stage():
     assert ParallelismConfig(pp_size=4).microbatches == 4
     assert ParallelismConfig(pp_size=4, pp_microbatches=8).microbatches == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule",
+    ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"],
+)
+def test_multi_stage_schedules_match_single_process(
+    tmp_path, reference, text_corpus, cache_dir, schedule
+):
+    """4 blocks as 4 stages, 2 per rank (looped: rank 0 runs stages 0 and 2; V-shaped: 0
+    and 3, so its embedding and head stay one tied parameter), 4 micro-batches."""
+    four = ("model.n_layers=4",)
+    _, out = pp_run(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        "gpt2-tiny",
+        schedule,
+        *four,
+        "parallelism.pp_virtual_stages=2",
+        "parallelism.pp_microbatches=4",
+    )
+    assert_run_matches(reference("gpt2-tiny", *four), out, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "extra"),
+    [("gpt2-tiny", ()), ("llama-tiny", ("parallelism.sequence_parallel=true",))],
+)
+def test_pipeline_times_tensor_parallel(tmp_path, reference, text_corpus, cache_dir, model, extra):
+    """pp=2 x tp=2 on 4 ranks: each stage's part split by tensor parallel (the tied
+    embedding's two copies are vocab shards, summed shard by shard). The vocabulary is
+    padded to 258 by tp; the reference is given that size."""
+    _, out = pp_run(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        model,
+        "1f1b",
+        "parallelism.tp_size=2",
+        *extra,
+        nproc=4,
+    )
+    assert_run_matches(reference(model, "model.vocab_size=258"), out, STEPS)
+
+
+@pytest.mark.slow
+def test_3d_fsdp_tensor_pipeline(tmp_path, reference, text_corpus, cache_dir):
+    """dp=2 x tp=2 x pp=2 on 8 ranks: FSDP2 over the dp sub-mesh of each stage (each stage
+    its own FSDP root), tensor parallel inside, each dp rank reading half the batch of 8."""
+    summary, out = pp_run(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        "gpt2-tiny",
+        "1f1b",
+        "parallelism=fsdp",
+        "parallelism.tp_size=2",
+        "train.micro_batch_size=4",
+        nproc=8,
+    )
+    assert (summary["dp_size"], summary["tp_size"], summary["pp_size"]) == (2, 2, 2)
+    assert_run_matches(reference("gpt2-tiny", "model.vocab_size=258"), out, STEPS)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_pipeline_and_one_process(
+    tmp_path, reference, text_corpus, cache_dir
+):
+    """A pp=2 run (tied embedding split over the stages) saved at step 2 resumes in one
+    process, and a one-process checkpoint resumes at pp=2: steps 3-4 equal the
+    uninterrupted run either way. The head copy's optimizer state is saved under the
+    embedding's name, as one process keys the shared parameter."""
+    half = f"checkpoint.every={STEPS // 2}"
+    _, pp_out = pp_run(tmp_path, text_corpus, cache_dir, "gpt2-tiny", "1f1b", half, name="pp")
+    _, single_out = run(
+        tmp_path,
+        "single",
+        text_corpus,
+        cache_dir,
+        "train.micro_batch_size=8",
+        f"train.max_steps={STEPS}",
+        half,
+    )
+    step = f"step_{STEPS // 2:06d}"
+    _, resumed_single = run(
+        tmp_path,
+        "resumed_single",
+        text_corpus,
+        cache_dir,
+        "train.micro_batch_size=8",
+        f"train.max_steps={STEPS}",
+        f"checkpoint.resume={pp_out / 'checkpoints' / step}",
+    )
+    _, resumed_pp = pp_run(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        "gpt2-tiny",
+        "1f1b",
+        f"checkpoint.resume={single_out / 'checkpoints' / step}",
+        name="resumed_pp",
+    )
+    for out in (resumed_single, resumed_pp):
+        assert_run_matches(reference("gpt2-tiny"), out, STEPS, first_step=STEPS // 2 + 1)
+
+
+@pytest.mark.slow
+def test_pipeline_bf16_tracks_one_process_in_bf16(tmp_path, reference, text_corpus, cache_dir):
+    """Under bf16 autocast the stages compute as one process does (the residual stream
+    that crosses the stage boundary stays fp32), so only the order of gradient additions
+    differs; 1e-3 relative on losses leaves room for bf16 rounding."""
+    bf16 = "precision=bf16"
+    _, out = pp_run(tmp_path, text_corpus, cache_dir, "llama-tiny", "1f1b", bf16)
+    ref, got = train_losses(reference("llama-tiny", bf16)), train_losses(out)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-3), step
