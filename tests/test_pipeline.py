@@ -22,6 +22,7 @@ from helpers import (
 
 from llm.config import ParallelismConfig
 from llm.errors import ConfigError
+from llm.models import model_args
 from llm.parallel.pipeline import PipelineLayout
 from llm.validate import validate
 
@@ -68,22 +69,57 @@ def pp_run(tmp_path, text_corpus, cache_dir, model, schedule, *extra, nproc=2, n
     )
 
 
+MICROBATCHES = 4
+
+
+@pytest.fixture(scope="module")
+def gpt2_1f1b(tmp_path_factory, text_corpus, cache_dir):
+    """gpt2-tiny at pp=2 under 1f1b with 4 micro-batches, its sends counted."""
+    return pp_run(
+        tmp_path_factory.mktemp("pp_gpt2"),
+        text_corpus,
+        cache_dir,
+        "gpt2-tiny",
+        "1f1b",
+        f"parallelism.pp_microbatches={MICROBATCHES}",
+        "parallelism.count_comm=true",
+    )
+
+
+def test_1f1b_matches_single_process(reference, gpt2_1f1b):
+    """The tied embedding is split over the two stages (a copy on each, their gradients
+    summed before the step)."""
+    summary, out = gpt2_1f1b
+    assert summary["pp_size"] == 2 and summary["dp_size"] == 1
+    assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+
+
+def test_stage_boundary_carries_bsh_per_microbatch(gpt2_1f1b):
+    """Per step, the first stage sends each micro-batch's (b, s, h) activations forward and
+    the last sends their gradient back: m x b x s x h x 4 bytes each way (fp32), b = 8 / m."""
+    summary, _ = gpt2_1f1b
+    b, s, h = 8 // MICROBATCHES, 64, model_args("gpt2-tiny").d_model
+    each_way = MICROBATCHES * b * s * h * 4
+    assert summary["comm_bytes_per_step"] == [
+        {"pp.send_activations": each_way},
+        {"pp.send_gradients": each_way},
+    ]
+
+
 @pytest.mark.parametrize(
-    ("model", "schedule", "extra"),
+    ("model", "schedule"),
     [
-        ("gpt2-tiny", "1f1b", ("parallelism.pp_microbatches=4",)),
-        ("llama-tiny", "gpipe", ()),
-        pytest.param("gpt2-tiny", "gpipe", (), marks=pytest.mark.slow),
-        pytest.param("llama-tiny", "1f1b", (), marks=pytest.mark.slow),
+        ("llama-tiny", "gpipe"),
+        pytest.param("gpt2-tiny", "gpipe", marks=pytest.mark.slow),
+        pytest.param("llama-tiny", "1f1b", marks=pytest.mark.slow),
     ],
 )
 def test_pipeline_matches_single_process(
-    tmp_path, reference, text_corpus, cache_dir, model, schedule, extra
+    tmp_path, reference, text_corpus, cache_dir, model, schedule
 ):
-    """gpt2-tiny: the tied embedding is split over the two stages (a copy on each, their
-    gradients summed); llama-tiny: untied head, RMSNorm, RoPE, GQA."""
-    summary, out = pp_run(tmp_path, text_corpus, cache_dir, model, schedule, *extra)
-    assert summary["pp_size"] == 2 and summary["dp_size"] == 1
+    """llama-tiny: untied head, RMSNorm, RoPE, GQA; 2 micro-batches (one per stage)."""
+    summary, out = pp_run(tmp_path, text_corpus, cache_dir, model, schedule)
+    assert summary["pp_size"] == 2
     assert_run_matches(reference(model), out, STEPS)
 
 

@@ -114,7 +114,12 @@ class StrategyBase:
         sharded), build the schedule that will run its stages."""
         if isinstance(model, PipelinePart):
             self.schedule = Pipeline(
-                model, self.dims, self.cfg.microbatches, self.device, self.scaler
+                model,
+                self.dims,
+                self.cfg.microbatches,
+                self.device,
+                self.scaler,
+                self.cfg.count_comm,
             )
 
     def loss_context(self, training: bool = True) -> AbstractContextManager:
@@ -132,8 +137,11 @@ class StrategyBase:
         return stack
 
     def tp_comm(self) -> dict[str, int]:
-        """Bytes of the DTensor collectives counted since the last call (tensor parallel)."""
-        return {} if self._mesh_counter is None else self._mesh_counter.take()
+        """Bytes of the DTensor collectives counted since the last call (tensor parallel),
+        and of the sends between pipeline stages (``pp.send_activations``,
+        ``pp.send_gradients``)."""
+        counted = {} if self._mesh_counter is None else self._mesh_counter.take()
+        return counted | ({} if self.schedule is None else self.schedule.take_comm())
 
     def gradient_pass(self, step: int) -> GradientPass | None:
         """The optimizer's extra gradient pass when step ``step`` (1-based) needs it, else

@@ -57,6 +57,7 @@ class Pipeline:
         microbatches: int,
         device: torch.device,
         scaler: LossScaler,
+        count_comm: bool = False,
     ) -> None:
         self.part = part
         self.dims = dims
@@ -78,6 +79,11 @@ class Pipeline:
             for module in part.stages()
         ]
         self.has_first = any(s.is_first for s in self.stages)
+        self._sent: dict[str, int] = {}
+        if count_comm:
+            for stage in self.stages:
+                stage.get_fwd_send_ops = self._counted(stage.get_fwd_send_ops, "activations")
+                stage.get_bwd_send_ops = self._counted(stage.get_bwd_send_ops, "gradients")
         self._loss_fn: LossFn | None = None
         self._scale: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []
@@ -143,6 +149,24 @@ class Pipeline:
             for loss in self._losses[len(self._losses) - self.microbatches :]:
                 loss_sum += loss
         return loss_sum
+
+    def _counted(self, get_ops: Callable, what: str) -> Callable:
+        """``get_ops`` (a stage's sends of one micro-batch), adding their bytes to
+        ``pp.send_{what}``; sends to a stage on the same rank are not sends."""
+        key = f"pp.send_{what}"
+
+        def counted(chunk: int) -> list:
+            ops = get_ops(chunk)
+            sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            self._sent[key] = self._sent.get(key, 0) + sent
+            return ops
+
+        return counted
+
+    def take_comm(self) -> dict[str, int]:
+        """Bytes this rank sent to other stages since the last call (with count_comm)."""
+        sent, self._sent = self._sent, {}
+        return sent
 
     def grad_copies(self, param: torch.Tensor) -> int:
         """On how many pipeline ranks ``param``'s gradient exists (2 for a tied embedding
