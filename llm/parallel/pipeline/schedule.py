@@ -157,8 +157,9 @@ class Pipeline:
 
         def counted(chunk: int) -> list:
             ops = get_ops(chunk)
-            sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-            self._sent[key] = self._sent.get(key, 0) + sent
+            if ops:  # the first stage sends no gradients, the last no activations
+                sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+                self._sent[key] = self._sent.get(key, 0) + sent
             return ops
 
         return counted
