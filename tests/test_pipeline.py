@@ -330,3 +330,23 @@ def test_pipeline_bf16_tracks_one_process_in_bf16(tmp_path, reference, text_corp
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-3), step
+
+
+@pytest.mark.slow
+def test_pipeline_accumulates_loader_batches_under_recompute(
+    tmp_path, reference, text_corpus, cache_dir
+):
+    """Two loader batches of 4 per step (two schedule steps, gradients accumulating) with
+    every block checkpointed (recompute wraps the part's blocks before the stages are
+    built): the same step as one batch of 8 in one process."""
+    _, out = pp_run(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        "gpt2-tiny",
+        "1f1b",
+        "train.micro_batch_size=4",
+        "train.grad_accum_steps=2",
+        "recompute=full",
+    )
+    assert_run_matches(reference("gpt2-tiny"), out, STEPS)
