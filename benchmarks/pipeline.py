@@ -173,6 +173,17 @@ def _one_microbatch(part: PipelinePart, stage, opts, m: int, d: int) -> int:
     return counter.activation_bytes  # parameters the matmuls save are not counted
 
 
+def expected(row: dict, p: int, seq_len: int, d: int) -> dict:
+    """The formulas for one stage's row: bubble, micro-batches in flight, bytes sent."""
+    m, s = row["m"], row["stage"]
+    directions = (s < p - 1) + (s > 0)  # activations forward, gradients backward
+    return {
+        "bubble": (p - 1) / (m + p - 1),
+        "in_flight": m if row["schedule"] == "gpipe" else min(m, p - s),
+        "sent": directions * m * row["b"] * seq_len * d * 4,
+    }
+
+
 def _table(all_rows: list[list[dict]], p: int, seq_len: int, d: int) -> str:
     head = (
         "| schedule | m | stage | idle | (p-1)/(m+p-1) | in flight | formula | activations MiB "
@@ -181,19 +192,17 @@ def _table(all_rows: list[list[dict]], p: int, seq_len: int, d: int) -> str:
     lines = [head, "|" + " --- |" * 11]
     for rows in all_rows:
         for r in rows:
-            m, s = r["m"], r["stage"]
-            flight = m if r["schedule"] == "gpipe" else min(m, p - s)
-            directions = (s < p - 1) + (s > 0)  # activations forward, gradients backward
+            f = expected(r, p, seq_len, d)
             lines.append(
-                f"| {r['schedule']} | {m} | {s} | {r['idle']:.2f} | {(p - 1) / (m + p - 1):.2f} "
-                f"| {r['in_flight']} | {flight} | {r['activations'] / MiB:.2f} "
-                f"| {flight * max(r['per_microbatch'], 0) / MiB:.2f} | {r['sent'] / MiB:.2f} "
-                f"| {directions * m * r['b'] * seq_len * d * 4 / MiB:.2f} |"
+                f"| {r['schedule']} | {r['m']} | {r['stage']} | {r['idle']:.2f} "
+                f"| {f['bubble']:.2f} | {r['in_flight']} | {f['in_flight']} "
+                f"| {r['activations'] / MiB:.2f} | {f['in_flight'] * r['per_microbatch'] / MiB:.2f} "
+                f"| {r['sent'] / MiB:.2f} | {f['sent'] / MiB:.2f} |"
             )
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--schedules", default="gpipe,1f1b")
@@ -205,7 +214,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    opts = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def measure(opts: argparse.Namespace) -> list[list[dict]]:
+    """One list of per-stage rows per (schedule, m), from ``--pp`` spawned ranks."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -218,7 +231,12 @@ def main() -> None:
     results = [queue.get() for _ in range(n_rows)]
     for proc in procs:
         proc.join()
-    print(_table(results, opts.pp, opts.seq_len, opts.d_model))
+    return results
+
+
+def main() -> None:
+    opts = parse()
+    print(_table(measure(opts), opts.pp, opts.seq_len, opts.d_model))
 
 
 if __name__ == "__main__":
