@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -65,6 +66,31 @@ def _optimizer(row: str, model, device) -> torch.optim.Optimizer:
     return _library(row, model, device)
 
 
+def _matmul_ms(d: int, dtype: torch.dtype, device) -> float:
+    """One (d x 4d) @ (4d x d) product: the Gram matrix of an MLP weight in Newton-Schulz."""
+    a = torch.randn(d, 4 * d, device=device, dtype=dtype)
+    b = a.T.contiguous()
+    a @ b
+    return 1e3 * _timed(lambda: a @ b, device)
+
+
+def _muon_skip_reason(d: int, device) -> str | None:
+    """Why the default CPU run leaves Muon out, or None: torch.optim.Muon runs its Newton-Schulz
+    iteration in bfloat16 (hard-coded), and a CPU without bf16 matrix units (no AVX512-BF16 or
+    AMX) multiplies bf16 far slower than fp32; at gpt2-small one step then takes hours."""
+    if device.type != "cpu":
+        return None
+    d = min(d, 384)  # the ratio, not the time, decides; a full-size bf16 probe takes a minute
+    fp32, bf16 = _matmul_ms(d, torch.float32, device), _matmul_ms(d, torch.bfloat16, device)
+    if bf16 < 10 * fp32:
+        return None
+    return (
+        f"not run: this CPU multiplies bf16 {bf16 / fp32:.0f}x slower than fp32 ({bf16:.0f} "
+        f"against {fp32:.1f} ms for {d}x{4 * d} @ {4 * d}x{d}), and torch.optim.Muon's "
+        "Newton-Schulz runs in bf16; name it in --rows to run it anyway"
+    )
+
+
 def _timed(fn: Callable[[], None], device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -82,6 +108,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default=None, help="comma-separated rows (default: all)")
     a = parser.parse_args()
     device = torch.device(a.device)
     name = a.model or ("gpt2-medium" if device.type == "cuda" else "gpt2-small")
@@ -113,11 +140,15 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    rows = _rows(device)
+    rows = _rows(device) if a.rows is None else a.rows.split(",")
+    skipped = {}
+    if a.rows is None and (reason := _muon_skip_reason(args.d_model, device)) is not None:
+        skipped["muon"] = reason
+        rows.remove("muon")
     step_s: dict[str, list[float]] = {r: [] for r in rows}
     train_s: dict[str, list[float]] = {r: [] for r in rows}
     state: dict[str, float] = {}
-    for _ in range(a.rounds):
+    for round_ in range(1, a.rounds + 1):
         for row in rows:
             reset()
             opt = _optimizer(row, model, device)
@@ -135,6 +166,13 @@ def main() -> None:
             )
             state[row] = storage_bytes(optimizer_state_tensors(opt)) / n_params
             del opt
+            # Progress on stderr (the table comes at the end): a CPU round takes minutes.
+            print(
+                f"round {round_}/{a.rounds} {row}: step alone {1e3 * step_s[row][-1]:.0f} ms, "
+                f"training step {1e3 * train_s[row][-1]:.0f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     print(
         f"{name} ({n_params / 1e6:.1f}M parameters), batch {a.batch} x {a.seq}, {device}, "
         f"median of {a.rounds} rounds"
@@ -146,6 +184,8 @@ def main() -> None:
             f"| {row} | {1e3 * statistics.median(step_s[row]):.0f} | "
             f"{1e3 * statistics.median(train_s[row]):.0f} | {state[row]:.2f} |"
         )
+    for row, reason in skipped.items():
+        print(f"| {row} | {reason} | | |")
 
 
 if __name__ == "__main__":

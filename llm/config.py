@@ -567,29 +567,43 @@ class CheckpointConfig:
 
 @dataclass
 class EstimateConfig:
-    """``python -m llm.estimate`` (docs/recompute.md, "The memory estimator")."""
+    """``python -m llm.estimate`` (docs/recompute.md, "The memory estimator"; docs/parallel.md,
+    "Beyond this machine")."""
 
     json: str | None = None  # also write the figures to this JSON file
-    plan: bool = False  # list the strategy x precision x recompute x micro-batch runs that fit
+    plan: bool = False  # rank the dp x tp x pp x ZeRO x recompute x micro-batch layouts that fit
     device: str = "cuda"  # what the estimate is for: cuda | cpu (kernels and dropout masks)
-    device_memory_gb: float = 80.0  # per device, in GiB
-    num_devices: int | None = None  # None: launcher.nproc_per_node
+    # The cluster: nodes x gpus_per_node devices of device_memory_gb GiB each.
+    nodes: int = 1
+    gpus_per_node: int | None = None  # None: launcher.nproc_per_node
+    device_memory_gb: float = 80.0
     rank: int = 0  # whose shard to show (ranks differ by a few padding elements)
     # A model-states-only estimate for a bare parameter count (the ZeRO paper's 7.5e9).
     num_params: float | None = None
-    # The plan's cost model: sustained matmul FLOP/s per device and collective bandwidth.
+    # The plan's time model: sustained matmul FLOP/s per device, and per-GPU link speeds
+    # inside a node (NVLink: H100's 450 GB/s a direction) and between nodes (InfiniBand:
+    # one 400 Gb/s NIC per GPU).
     flops_per_s: float = 400e12
-    bandwidth_gb_s: float = 100.0
+    intra_node_gb_s: float = 450.0
+    inter_node_gb_s: float = 50.0
+    # The plan's global batch in sequences per step; None: train.micro_batch_size x
+    # train.grad_accum_steps x every device.
+    global_batch: int | None = None
+    plan_rows: int = 20  # layouts the plan's table prints (estimate.json gets all)
 
     def __post_init__(self) -> None:
         _require_choice("estimate", "device", self.device, ("cuda", "cpu"))
         _require_positive(
             "estimate",
+            nodes=self.nodes,
+            gpus_per_node=self.gpus_per_node,
             device_memory_gb=self.device_memory_gb,
-            num_devices=self.num_devices,
             num_params=self.num_params,
             flops_per_s=self.flops_per_s,
-            bandwidth_gb_s=self.bandwidth_gb_s,
+            intra_node_gb_s=self.intra_node_gb_s,
+            inter_node_gb_s=self.inter_node_gb_s,
+            global_batch=self.global_batch,
+            plan_rows=self.plan_rows,
         )
         if self.rank < 0:
             raise ConfigError(f"estimate.rank={self.rank} must be >= 0")

@@ -52,6 +52,22 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("llm_cache")
 
 
+@pytest.fixture(scope="module")
+def fake_tp_mesh():
+    """A 1-D ("tp",) mesh of 2 ranks on torch's fake process group, this process rank 0:
+    tensor parallel splits a model exactly as a real rank does, and collectives return
+    without communicating (shapes and saved tensors are real, values are not)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def line_docs(tmp_path_factory, text_corpus) -> Path:
     """A jsonl corpus whose documents are single source lines: many different lengths."""

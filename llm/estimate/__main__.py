@@ -1,6 +1,7 @@
 """``python -m llm.estimate [overrides]``: the memory a run would need, per rank, without
 building it (the model on the meta device), with the same Hydra overrides as train.py plus
-``estimate.*`` (llm.config.EstimateConfig); ``estimate.plan=true`` lists what fits."""
+``estimate.*`` (llm.config.EstimateConfig); ``estimate.plan=true`` ranks the parallel
+layouts that fit the cluster (llm.estimate.plan)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from rich.table import Table
 
 from llm.config import register_configs, to_dataclass
 from llm.errors import LabError
-from llm.estimate.estimator import estimate
-from llm.estimate.plan import plan
+from llm.estimate.estimator import estimate, world_size
+from llm.estimate.plan import global_batch, plan, plan_row
 from llm.estimate.report import human, print_estimate
 from llm.validate import model_args_for
 
@@ -26,35 +27,31 @@ CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
 def _title(cfg) -> str:
     return (
-        f"{cfg.model.name} {cfg.parallelism.name} x{cfg.estimate.num_devices or cfg.launcher.nproc_per_node} "
+        f"{cfg.model.name} {cfg.parallelism.name} x{world_size(cfg)} "
         f"{cfg.precision.name} recompute={cfg.recompute.name} micro_batch={cfg.train.micro_batch_size} "
         f"seq_len={cfg.data.seq_len} attention={cfg.attention.backend} ({cfg.estimate.device})"
     )
 
 
-def _plan_table(options) -> Table:
-    table = Table(title="runs that fit, best first (estimated time per token)")
-    for name in (
-        "strategy",
-        "precision",
-        "recompute",
-        "micro-batch",
-        "per rank",
-        "recompute FLOPs",
-        "comm/step",
-        "us/token",
-    ):
-        table.add_column(name)
-    for o in options:
+def _plan_table(cfg, rows) -> Table:
+    e = cfg.estimate
+    table = Table(
+        title=f"layouts that fit {e.nodes} x {e.gpus_per_node or cfg.launcher.nproc_per_node} "
+        f"GPUs of {e.device_memory_gb:g} GiB, fastest first (global batch "
+        f"{global_batch(cfg, world_size(cfg))} x {cfg.data.seq_len} tokens)"
+    )
+    # b: sequences per micro-batch; m: micro-batches per step.
+    for name in ("dp", "tp", "pp", "zero", "recompute", "b", "m", "per GPU", "bubble", "step s"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in rows:
+        lay = r.layout
         table.add_row(
-            o.strategy,
-            o.precision,
-            o.recompute,
-            str(o.micro_batch),
-            human(o.estimate.total),
-            f"+{o.recompute_fraction:.1%}",
-            human(o.estimate.comm_bytes),
-            f"{o.seconds_per_token * 1e6:.3f}",
+            *map(str, (lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.recompute)),
+            str(lay.micro_batch),
+            str(lay.microbatches),
+            human(r.bytes_per_gpu),
+            f"{r.bubble:.1%}",
+            f"{r.step_time_s:.2f}",
         )
     return table
 
@@ -68,21 +65,10 @@ def main(dict_cfg: DictConfig) -> None:
         print_estimate(est, _title(cfg))
         out = est.to_json()
         if cfg.estimate.plan:
-            options = plan(cfg, args)
-            Console().print(_plan_table(options))
-            out["plan"] = [
-                {
-                    "strategy": o.strategy,
-                    "precision": o.precision,
-                    "recompute": o.recompute,
-                    "micro_batch": o.micro_batch,
-                    "total_bytes": o.estimate.total,
-                    "recompute_fraction": o.recompute_fraction,
-                    "comm_bytes_per_step": o.estimate.comm_bytes,
-                    "seconds_per_token": o.seconds_per_token,
-                }
-                for o in options
-            ]
+            rows = plan(cfg, args)
+            fitting = [r for r in rows if r.fits][: cfg.estimate.plan_rows]
+            Console().print(_plan_table(cfg, fitting))
+            out["plan"] = [plan_row(r) for r in rows]
         if cfg.estimate.json:
             Path(cfg.estimate.json).write_text(json.dumps(out, indent=2))
     except LabError as exc:

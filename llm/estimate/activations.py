@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llm.errors import ConfigError
+from llm.estimate.tp_terms import split_terms
 from llm.models import ModelArgs
 from llm.precision import PrecisionPolicy
 
@@ -37,6 +38,9 @@ class Kernels:
     dropout_mask_bytes: int | None = None  # None: the input's itemsize (CPU), 1: CUDA's bool
     weight_copies: bool = True  # autocast's casts of weights are saved by matmuls
     cast_per_consumer: bool = True  # autocast casts an activation once per linear reading it
+    # Sequence parallel: the column-parallel linears save their all-gathered input (DTensor),
+    # not the sequence shard Megatron saves and gathers again in backward.
+    sp_saves_gathered_input: bool = True
 
 
 PAPER = Kernels(
@@ -46,6 +50,7 @@ PAPER = Kernels(
     dropout_mask_bytes=1,
     weight_copies=False,
     cast_per_consumer=False,
+    sp_saves_gathered_input=False,
 )
 
 
@@ -111,15 +116,36 @@ def layer_terms(
     recompute: str = "none",
     training: bool = True,
     paper: bool = False,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> dict[str, int]:
     """Bytes one block saves for backward, by term, under ``recompute`` (none | selective |
-    full | op_sac | op_sac_every_other_mm; full's block keeps only its input). ``paper``: the
-    paper's idealised kernels."""
+    full | op_sac | op_sac_every_other_mm; full's block keeps only its input), on one of
+    ``tp`` tensor-parallel ranks (llm/estimate/tp_terms.py). ``paper``: the paper's
+    idealised kernels."""
     if recompute not in RECOMPUTE:
         raise ConfigError(
             f"the activation formula knows recompute {', '.join(RECOMPUTE)}, not {recompute!r}"
         )
     k = PAPER if paper else Kernels()
+    terms = _block_terms(
+        args, batch, seq, policy, k, backend, sdpa_kernel, device, recompute, training
+    )
+    return split_terms(terms, tp, sequence_parallel, k.sp_saves_gathered_input)
+
+
+def _block_terms(
+    args: ModelArgs,
+    batch: int,
+    seq: int,
+    policy: PrecisionPolicy,
+    k: Kernels,
+    backend: str,
+    sdpa_kernel: str,
+    device: str,
+    recompute: str,
+    training: bool,
+) -> dict[str, int]:
     dt = Dtypes.of(policy)
     b, s, h = batch, seq, args.d_model
     if recompute == "full":
@@ -284,8 +310,11 @@ def outside_terms(
     *,
     device: str = "cpu",
     training: bool = True,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> dict[str, int]:
-    """Embeddings, final norm, head and the loss (logits upcast, log-softmax in fp32)."""
+    """Embeddings, final norm, head and the loss (logits upcast, log-softmax in fp32), on one
+    of ``tp`` ranks: the vocab-parallel head's logits and log-softmax are 1/tp."""
     k, dt = Kernels(), Dtypes.of(policy)
     b, s, h, v = batch, seq, args.d_model, args.vocab_size
     terms = {"embed.ids": b * s * I64}
@@ -300,7 +329,7 @@ def outside_terms(
     terms["loss.log_softmax"] = b * s * v * F32
     terms["loss.targets"] = b * s * I64
     terms["loss.total_weight"] = F32
-    return terms
+    return split_terms(terms, tp, sequence_parallel, k.sp_saves_gathered_input)
 
 
 def estimate_activations(
@@ -315,10 +344,14 @@ def estimate_activations(
     recompute: str = "none",
     every: int = 1,
     budget: float = 1.0,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> ActivationEstimate:
-    """The whole model's activations for one micro-batch; full recompute with ``every=k``
-    checkpoints blocks k, 2k, ... and keeps the others whole."""
-    kw = dict(backend=backend, sdpa_kernel=sdpa_kernel, device=device)
+    """The whole model's activations for one micro-batch on one of ``tp`` tensor-parallel
+    ranks; full recompute with ``every=k`` checkpoints blocks k, 2k, ... and keeps the
+    others whole."""
+    split = dict(tp=tp, sequence_parallel=sequence_parallel)
+    kw = dict(backend=backend, sdpa_kernel=sdpa_kernel, device=device, **split)
     none = layer_terms(args, batch, seq, policy, **kw)
     if recompute in ("budget", "offload"):
         # offload: every saved tensor goes to host memory, none stays on the device (the
@@ -329,14 +362,14 @@ def estimate_activations(
         return ActivationEstimate(
             layer={name: int(n * share) for name, n in none.items()},
             layer_none=none,
-            outside=outside_terms(args, batch, seq, policy, device=device),
+            outside=outside_terms(args, batch, seq, policy, device=device, **split),
             n_layers=args.n_layers,
         )
     if recompute == "full":
         return ActivationEstimate(
             layer=none,
             layer_none=none,
-            outside=outside_terms(args, batch, seq, policy, device=device),
+            outside=outside_terms(args, batch, seq, policy, device=device, **split),
             n_layers=args.n_layers,
             n_recomputed=args.n_layers // every,
             recomputed_layer=layer_terms(args, batch, seq, policy, recompute="full", **kw),
@@ -344,6 +377,6 @@ def estimate_activations(
     return ActivationEstimate(
         layer=layer_terms(args, batch, seq, policy, recompute=recompute, **kw),
         layer_none=none,
-        outside=outside_terms(args, batch, seq, policy, device=device),
+        outside=outside_terms(args, batch, seq, policy, device=device, **split),
         n_layers=args.n_layers,
     )

@@ -12,6 +12,7 @@ from llm.config import Config
 from llm.estimate.activations import estimate_activations
 from llm.estimate.states import RankStates, model_states, paper_states
 from llm.models import build_model, freeze
+from llm.parallel.tensor_parallel import padded_vocab
 from llm.precision import PrecisionPolicy, resolve_precision
 
 GIB = 2**30
@@ -78,7 +79,8 @@ def activation_policy(policy: PrecisionPolicy, strategy: str) -> PrecisionPolicy
 
 
 def world_size(cfg: Config) -> int:
-    return cfg.estimate.num_devices or cfg.launcher.nproc_per_node
+    e = cfg.estimate
+    return e.nodes * (e.gpus_per_node or cfg.launcher.nproc_per_node)
 
 
 def estimate(cfg: Config, args, recompute: str | None = None, model=None) -> Estimate:
@@ -87,6 +89,8 @@ def estimate(cfg: Config, args, recompute: str | None = None, model=None) -> Est
     ``model``: the meta-device model already built for ``args`` (the plan builds it once)."""
     e, par = cfg.estimate, cfg.parallelism
     world = world_size(cfg)
+    # Tensor parallel pads the vocabulary to a multiple of tp, as the run does.
+    args = dataclasses.replace(args, vocab_size=padded_vocab(args.vocab_size, par.tp_size))
     policy = estimate_policy(cfg.precision.name, e.device)
     if e.num_params is not None:
         stage = int(par.name[-1]) if par.name.startswith("zero") else par.zero_stage
@@ -108,6 +112,8 @@ def estimate(cfg: Config, args, recompute: str | None = None, model=None) -> Est
         recompute=name,
         every=cfg.recompute.every,
         budget=cfg.recompute.memory_budget,
+        tp=par.tp_size,
+        sequence_parallel=par.sequence_parallel,
     )
     if name == "offload":  # the saved tensors live in pinned host memory
         states.host["activations"] = acts.n_layers * sum(acts.layer_none.values())

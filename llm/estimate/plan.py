@@ -1,79 +1,110 @@
-"""``estimate.plan=true``: the strategy x precision x recompute x micro-batch runs that fit
-on ``estimate.num_devices`` devices of ``estimate.device_memory_gb``, best first by the
-estimated step time per token under a simple cost model (docs/recompute.md):
+"""``estimate.plan=true``: every layout of the cluster's devices (dp x tp x pp, a ZeRO stage
+over dp, recompute, micro-batch size and count) for the global batch, priced by
+llm.estimate.layout_estimate; those that fit first, fastest first, then the rest by memory.
 
-    compute/token = (1 + recompute) * flops_per_token / (flops_per_s * precision speed)
-    comm/token    = comm_bytes_per_step / bandwidth / tokens_per_rank_per_step
-    time/token    = max(compute/token, comm/token)
-
-Recompute adds forward work: full recomputes each checkpointed block's forward (a forward
-is a third of a step's FLOPs, so 1/3 of the block share); selective recomputes only the
-attention core (its score and value matmuls). Communication overlaps compute, as every
-strategy here arranges (DDP's and our ZeRO's buckets reduce during backward, zero3 and
-FSDP prefetch the next block's parameters), so a run is bound by the slower of the two and
-a bigger micro-batch helps only while communication is the bound. Ties (the same time per
-token) go to the run that leaves the most memory free.
+Candidates: tp a divisor of gpus_per_node that the heads, kv heads, d_model and d_ff
+divide (tensor parallel stays on NVLink, as Megatron advises); pp a divisor of the rest
+with at least one block per stage; dp what remains, dividing the global batch; micro-
+batches of 1-8 sequences; a pipeline needs at least pp micro-batches (1f1b's warm-up; the
+interleaved schedule also a multiple of pp). The schedule, virtual stages and sequence
+parallel are the config's (parallelism.pp_schedule, pp_virtual_stages,
+sequence_parallel).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 from llm.config import Config
-from llm.estimate.estimator import Estimate, estimate, meta_model, with_overrides
-from llm.models import ModelArgs, flops_per_token
+from llm.errors import ConfigError
+from llm.estimate.cluster import Cluster
+from llm.estimate.estimator import estimate_policy
+from llm.estimate.layout import Layout
+from llm.estimate.layout_estimate import LayoutEstimate, Workload, estimate_layout
+from llm.models import ModelArgs
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-PRECISIONS = ("bf16", "fp32")
+ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTES = ("none", "selective", "full")
-MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-# fp32 matmuls run as TF32 on tensor cores at half the 16-bit rate (A100/H100 dense).
-SPEED = {"bf16": 1.0, "fp32": 0.5}
+MICRO_BATCHES = (1, 2, 4, 8)
 
 
-@dataclass
-class Option:
-    strategy: str
-    precision: str
-    recompute: str
-    micro_batch: int
-    estimate: Estimate
-    recompute_fraction: float  # extra FLOPs over a step without recompute
-    seconds_per_token: float
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def recompute_fraction(args: ModelArgs, seq: int, recompute: str) -> float:
-    """Extra FLOPs of ``recompute`` as a fraction of a training step's."""
-    step = flops_per_token(args, seq)
-    if recompute == "full":
-        return 1 / 3  # one more forward of every block (forward = 2 of the 6 in 6N)
-    if recompute == "selective":
-        # QK^T and probs @ V forward: 2 matmuls of 2*s*d_attn FLOPs per token per layer.
-        return 4 * args.n_layers * seq * args.n_heads * args.head_dim / step
-    return 0.0
+def global_batch(cfg: Config, world: int) -> int:
+    """Sequences per step: estimate.global_batch, or the run's own per-rank batch on every
+    device."""
+    t = cfg.train
+    return cfg.estimate.global_batch or t.micro_batch_size * t.grad_accum_steps * world
 
 
-def plan(cfg: Config, args: ModelArgs) -> list[Option]:
-    seq, e = cfg.data.seq_len, cfg.estimate
-    per_token = flops_per_token(args, seq)
-    options, model = [], meta_model(cfg, args)
-    for strategy in STRATEGIES:
-        for precision in PRECISIONS:
-            for recompute in RECOMPUTES:
-                for mb in MICRO_BATCHES:
-                    run = with_overrides(
-                        cfg,
-                        parallelism={"name": strategy},
-                        precision={"name": precision},
-                        train={"micro_batch_size": mb},
-                    )
-                    est = estimate(run, args, recompute, model)
-                    if not est.fits:
-                        continue
-                    extra = recompute_fraction(args, seq, recompute)
-                    compute = (1 + extra) * per_token / (e.flops_per_s * SPEED[precision])
-                    comm = est.comm_bytes / (e.bandwidth_gb_s * 1e9) / (mb * seq)
-                    options.append(
-                        Option(strategy, precision, recompute, mb, est, extra, max(compute, comm))
-                    )
-    return sorted(options, key=lambda o: (o.seconds_per_token, o.estimate.total))
+def layouts(cfg: Config, args: ModelArgs, cluster: Cluster, batch: int) -> Iterator[Layout]:
+    par = cfg.parallelism
+    for tp in _divisors(cluster.gpus_per_node):
+        sizes = (args.n_heads, args.n_kv_heads, args.d_model, args.d_ff)
+        if any(x % tp for x in sizes) or (par.sequence_parallel and cfg.data.seq_len % tp):
+            continue
+        for pp in _divisors(cluster.world // tp):
+            dp = cluster.world // (tp * pp)
+            v = par.pp_virtual_stages if pp > 1 else 1
+            if pp * v > args.n_layers or batch % dp:
+                continue
+            for b in MICRO_BATCHES:
+                m, rest = divmod(batch // dp, b)
+                if rest or m < pp or (v > 1 and m % pp):
+                    continue
+                for zero in ZERO_STAGES:
+                    for recompute in RECOMPUTES:
+                        yield Layout(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            zero_stage=zero,
+                            recompute=recompute,
+                            micro_batch=b,
+                            microbatches=m,
+                            sequence_parallel=par.sequence_parallel and tp > 1,
+                            schedule=par.pp_schedule if pp > 1 else "1f1b",
+                            virtual_stages=v,
+                        )
+
+
+def plan(cfg: Config, args: ModelArgs) -> list[LayoutEstimate]:
+    cluster = Cluster.from_config(cfg)
+    batch = global_batch(cfg, cluster.world)
+    work = Workload(
+        args=args,
+        seq=cfg.data.seq_len,
+        policy=estimate_policy(cfg.precision.name, cfg.estimate.device),
+        optimizer=cfg.optimizer,
+        backend=cfg.attention.backend,
+        device=cfg.estimate.device,
+    )
+    rows = [estimate_layout(work, lay, cluster) for lay in layouts(cfg, args, cluster, batch)]
+    if not rows:
+        raise ConfigError(
+            f"no layout of {cluster.world} devices divides the global batch of {batch} "
+            "sequences; set estimate.global_batch to a multiple of the data-parallel sizes"
+        )
+    return sorted(rows, key=lambda r: (not r.fits, r.step_time_s if r.fits else r.bytes_per_gpu))
+
+
+def plan_row(est: LayoutEstimate) -> dict:
+    """One layout as estimate.json's plan lists it."""
+    lay = est.layout
+    return {
+        "dp": lay.dp,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "zero_stage": lay.zero_stage,
+        "recompute": lay.recompute,
+        "microbatches": lay.microbatches,
+        "micro_batch": lay.micro_batch,
+        "bytes_per_gpu": est.bytes_per_gpu,
+        "fits": est.fits,
+        "step_time_s": est.step_time_s,
+        "bubble": est.bubble,
+        "comm_bytes_per_gpu": est.comm_bytes,
+        "by_stage": est.by_stage,
+    }

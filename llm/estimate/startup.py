@@ -17,7 +17,7 @@ from llm.validate import model_args_for, resolve_device
 def announce_estimate(cfg: Config, world: int) -> None:
     """One line of per-rank bytes; on CUDA, a warning when the total passes the device's."""
     device = resolve_device(cfg)
-    est_cfg = dataclasses.replace(cfg.estimate, device=device.type, num_devices=world)
+    est_cfg = dataclasses.replace(cfg.estimate, device=device.type, nodes=1, gpus_per_node=world)
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
         est_cfg.device_memory_gb = memory / GIB

@@ -35,6 +35,14 @@ MODEL_SHAPES: dict[str, ModelArgs] = {
     "gpt2-large": _gpt2(1280, 36, 20),
     "gpt2-xl": _gpt2(1600, 48, 25),
     "dialogpt-large": _gpt2(1280, 36, 20),  # microsoft/DialoGPT-large: GPT-2 large weights shape
+    # Published large runs, for the estimator (python -m llm.estimate; built on meta only).
+    # GPT-3 175B (Brown et al. 2020, table 2.1).
+    "gpt3-175b": _gpt2(12288, 96, 96, max_seq_len=2048),
+    # BLOOM-176B (BigScience 2022): its ALiBi and embedding LayerNorm are not modelled (a
+    # learned position table stands in: 2048 x d, 0.02% of the parameters).
+    "bloom-176b": _gpt2(14336, 70, 112, vocab_size=250880, max_seq_len=2048),
+    # Megatron-LM's 1T GPT (Narayanan et al. 2021, table 1; vocabulary 51,200).
+    "megatron-1t": _gpt2(25600, 128, 160, vocab_size=51200, max_seq_len=2048),
     "llama-tiny": _llama(
         vocab_size=4096, max_seq_len=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192
     ),

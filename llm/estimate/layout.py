@@ -1,0 +1,131 @@
+"""A parallel layout on paper (dp x tp x pp, a ZeRO stage over dp, a pipeline schedule) and
+what one of its ranks holds: parameters by pipeline rank and tensor-parallel shard, the
+micro-batches a pipeline schedule keeps in flight, the bubble, and the stage-boundary
+traffic. Closed forms from the shape alone, so a 1T-parameter layout costs nothing.
+
+The estimator builds :class:`Layout` itself, never a ``ParallelismConfig``: that refuses
+ZeRO with tp or pp, and the plan prices layouts the training code may not run yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm.errors import ConfigError
+from llm.models import ModelArgs
+from llm.parallel.tensor_parallel import padded_vocab
+
+# Schedules whose in-flight micro-batches and bubble this module knows (docs/parallel.md).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0  # ZeRO over the dp ranks: 0 (replicas), 1, 2, 3
+    recompute: str = "none"
+    micro_batch: int = 1  # sequences per micro-batch
+    microbatches: int = 1  # per step and pipeline (gradient accumulation when pp = 1)
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"the estimator models pipeline schedules {', '.join(SCHEDULES)}, not "
+                f"{self.schedule!r}; set parallelism.pp_schedule to one of them"
+            )
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ConfigError(
+                f"parallelism.pp_virtual_stages={self.virtual_stages} needs "
+                "pp_schedule=interleaved_1f1b in the estimator"
+            )
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+
+def stage_blocks(n_layers: int, stages: int) -> list[int]:
+    """Blocks per stage, balanced: n_layers // stages each, the remainder one more each on
+    the first stages (as the pipeline's own balanced split)."""
+    base, extra = divmod(n_layers, stages)
+    return [base + (s < extra) for s in range(stages)]
+
+
+def rank_blocks(n_layers: int, layout: Layout, pp_rank: int) -> int:
+    """Blocks pipeline rank ``pp_rank`` holds: its stages r, r + p, ... (looped)."""
+    sizes = stage_blocks(n_layers, layout.stages)
+    return sum(sizes[pp_rank :: layout.pp])
+
+
+def block_params(args: ModelArgs, tp: int) -> int:
+    """One block's parameters on one tp rank: the split matrices and the column-parallel
+    biases (q, k, v, fc) are 1/tp; norms and the row-parallel biases (wo, w2) are whole."""
+    h, kv, f = args.d_model, args.n_kv_heads * args.head_dim, args.d_ff
+    if args.family == "gpt2":
+        split = 2 * h * h + 2 * h * kv + 2 * h * f + (h + 2 * kv + f)
+        return split // tp + 2 * h + 4 * h  # wo, w2 biases; two LayerNorms (gain, bias)
+    return (2 * h * h + 2 * h * kv + 3 * h * f) // tp + 2 * h  # two RMSNorm gains
+
+
+def rank_params(args: ModelArgs, layout: Layout, pp_rank: int) -> int:
+    """Parameters pipeline rank ``pp_rank`` holds on one tp rank. The first stage has the
+    vocab-parallel embedding (vocabulary padded to a multiple of tp) and GPT-2's position
+    table (whole); the last the final norm and the head. A tied head is the embedding
+    itself when both are on one rank, else the last stage holds its own copy (Megatron's
+    embedding group keeps the two equal)."""
+    h = args.d_model
+    table = padded_vocab(args.vocab_size, layout.tp) * h // layout.tp
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    n = rank_blocks(args.n_layers, layout, pp_rank) * block_params(args, layout.tp)
+    if first:
+        n += table + (args.max_seq_len * h if args.family == "gpt2" else 0)
+    if last:
+        n += h * (2 if args.family == "gpt2" else 1)
+        if not (args.tie_embeddings and first):
+            n += table
+    return n
+
+
+def in_flight(layout: Layout, pp_rank: int) -> float:
+    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at its peak, in units
+    of one micro-batch through all of the rank's blocks. Without a pipeline one (gradient
+    accumulation runs them one at a time). gpipe: all m forwards before any backward. 1f1b:
+    rank r runs p - r forwards before its first backward (Narayanan et al. 2021, section
+    2.2.1). interleaved: Megatron's warm-up of 2(p - r - 1) + (v - 1)p chunk forwards, plus
+    the steady state's one, chunks of 1/v of the rank's blocks; on the first rank that is
+    p(1 + (p - 1)/(pv)) micro-batches (Korthikanti et al. 2022, section 4.2.3)."""
+    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "1f1b":
+        return float(min(m, p - pp_rank))
+    return min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1) / v
+
+
+def bubble(layout: Layout) -> float:
+    """The share of a step a pipeline rank idles: (p - 1)/(m + p - 1) for gpipe and 1f1b,
+    (p - 1)/(v·m + p - 1) interleaved (Narayanan et al. 2021, sections 2.2.1-2.2.2)."""
+    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+    return (p - 1) / (v * m + p - 1)
+
+
+def p2p_bytes(args: ModelArgs, layout: Layout, seq: int, itemsize: int) -> int:
+    """Bytes one pipeline rank sends per step: for each micro-batch and each of its stage
+    boundaries (v of them, interleaved), the b·s·h activation forward and its gradient
+    backward (the first rank sends no gradient and the last no activation, so this is the
+    middle ranks' figure)."""
+    if layout.pp == 1:
+        return 0
+    per_boundary = layout.micro_batch * seq * args.d_model * itemsize
+    return 2 * per_boundary * layout.microbatches * layout.virtual_stages

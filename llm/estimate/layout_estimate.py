@@ -1,0 +1,176 @@
+"""Memory per GPU and step time of one :class:`~llm.estimate.layout.Layout` on a
+:class:`~llm.estimate.cluster.Cluster` (docs/parallel.md, "Beyond this machine").
+
+Memory, per pipeline rank (the fullest is the layout's figure): model states by the ZeRO
+paper's arithmetic on the rank's own parameters (its blocks' tensor-parallel shards, the
+embedding and head where they live), ZeRO over the dp ranks; activations by the formula
+(llm/estimate/activations.py, tensor- and sequence-parallel split) times the micro-batches
+the schedule keeps in flight on that rank.
+
+Time per step: each micro-batch on the slowest pipeline rank costs its compute at
+``flops_per_s`` plus its tensor-parallel all-reduces (on the critical path, as Megatron's
+are) plus the stage-boundary sends; the pipeline stretches m of them by 1/(1 - bubble).
+The data-parallel gradient reduction overlaps the last micro-batch's backward and only the
+rest shows; ZeRO-3's per-micro-batch parameter gathers are prefetched under compute (a
+micro-batch takes the longer of the two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+from llm.config import OptimizerConfig
+from llm.estimate.activations import layer_terms, outside_terms
+from llm.estimate.cluster import Cluster, ring_seconds
+from llm.estimate.layout import (
+    Layout,
+    block_params,
+    bubble,
+    in_flight,
+    p2p_bytes,
+    rank_blocks,
+    rank_params,
+)
+from llm.estimate.states import paper_states
+from llm.models import ModelArgs
+from llm.parallel.tensor_parallel import padded_vocab
+from llm.precision import PrecisionPolicy
+
+# Outside-the-blocks terms the first stage holds (the lookups); the last holds the rest.
+FIRST_STAGE_TERMS = {"embed.ids", "pos_embed.ids", "embed.dropout_mask"}
+# Tensor-parallel collectives of b·s·h per block and micro-batch: two in forward, two in
+# backward (Shoeybi et al. 2019); full recompute replays the forward's two.
+TP_COLLECTIVES = {"none": 4, "selective": 4, "full": 6}
+
+
+@dataclass
+class LayoutEstimate:
+    layout: Layout
+    # The first and the last pipeline rank (the same one without a pipeline): params,
+    # grads, optimizer_states, activations. Every middle rank holds at most what the first
+    # holds (no more blocks, fewer micro-batches in flight, no embedding) and computes at
+    # most what it computes, so these two bound the layout.
+    by_stage: dict[str, dict[str, int]]
+    bytes_per_gpu: int  # the fuller of the two
+    fits: bool
+    step_time_s: float
+    bubble: float
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # per GPU and step: tp, pp, dp
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the layouts are for: the shape, the sequence length, the precision, the
+    optimizer, and the attention kernels the activation formula assumes."""
+
+    args: ModelArgs
+    seq: int
+    policy: PrecisionPolicy
+    optimizer: OptimizerConfig
+    backend: str = "sdpa"
+    device: str = "cuda"
+
+    @property
+    def stream(self) -> PrecisionPolicy:
+        # Megatron and ZeRO compute with 16-bit working weights: the residual stream is in
+        # the working dtype and autocast casts no weights.
+        return dataclasses.replace(self.policy, param_dtype=self.policy.working_dtype)
+
+
+@functools.cache
+def _micro_batch_terms(
+    args: ModelArgs,
+    seq: int,
+    stream: PrecisionPolicy,
+    backend: str,
+    device: str,
+    b: int,
+    recompute: str,
+    tp: int,
+    sp: bool,
+) -> tuple[int, int, int]:
+    """Bytes of one micro-batch: per block, first-stage lookups, last-stage head and loss."""
+    split = dict(tp=tp, sequence_parallel=sp)
+    kw = dict(backend=backend, device=device, recompute=recompute, **split)
+    layer = sum(layer_terms(args, b, seq, stream, **kw).values())
+    outside = outside_terms(args, b, seq, stream, device=device, **split)
+    first = sum(v for k, v in outside.items() if k in FIRST_STAGE_TERMS)
+    return layer, first, sum(outside.values()) - first
+
+
+def _activations(w: Workload, layout: Layout, pp_rank: int) -> int:
+    layer, first, last = _micro_batch_terms(
+        w.args,
+        w.seq,
+        w.stream,
+        w.backend,
+        w.device,
+        layout.micro_batch,
+        layout.recompute,
+        layout.tp,
+        layout.sequence_parallel,
+    )
+    per_micro_batch = rank_blocks(w.args.n_layers, layout, pp_rank) * layer
+    per_micro_batch += first * (pp_rank == 0) + last * (pp_rank == layout.pp - 1)
+    return round(in_flight(layout, pp_rank) * per_micro_batch)
+
+
+def _flops_per_token(w: Workload, layout: Layout, pp_rank: int) -> float:
+    """Training FLOPs per token on one tp rank of pipeline rank ``pp_rank``: 6 per weight
+    plus the attention scores (llm.models.flops_per_token's convention), and the forward
+    that recompute replays (full: the whole block; selective: the score and value
+    matmuls)."""
+    a = w.args
+    attention = 12 * w.seq * a.n_heads * a.head_dim
+    block = 6 * block_params(a, 1) + attention
+    replay = {"none": 0.0, "selective": attention / 3, "full": block / 3}[layout.recompute]
+    n = rank_blocks(a.n_layers, layout, pp_rank) * (block + replay)
+    if pp_rank == layout.pp - 1:
+        n += 6 * padded_vocab(a.vocab_size, layout.tp) * a.d_model
+    return n / layout.tp
+
+
+def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEstimate:
+    itemsize = w.policy.working_dtype.itemsize
+    b, s, h, m = layout.micro_batch, w.seq, w.args.d_model, layout.microbatches
+    stages = {"first": 0, "last": layout.pp - 1}
+    by_stage, micro_batch_s, params, tp_payload = {}, 0.0, 0, 0
+    for name, r in stages.items():
+        n = rank_params(w.args, layout, r)
+        params = max(params, n)
+        states = paper_states(n, layout.dp, layout.zero_stage, w.policy, w.optimizer).device
+        by_stage[name] = {**states, "activations": _activations(w, layout, r)}
+        compute = _flops_per_token(w, layout, r) * b * s / cluster.flops_per_s
+        # The blocks' collectives, and the embedding's forward and the head input's
+        # backward all-reduce.
+        blocks = rank_blocks(w.args.n_layers, layout, r) + (r == 0) + (r == layout.pp - 1)
+        payload = blocks * TP_COLLECTIVES[layout.recompute] * b * s * h * itemsize
+        payload = payload if layout.tp > 1 else 0
+        tp_payload = max(tp_payload, payload)
+        tp_s = ring_seconds(payload, layout.tp, cluster.bandwidth(layout.tp), phases=2)
+        micro_batch_s = max(micro_batch_s, compute + tp_s)
+    pp_bytes = p2p_bytes(w.args, layout, s, itemsize)
+    micro_batch_s += pp_bytes / m / cluster.bandwidth(layout.world)
+    dp_bw = cluster.bandwidth(layout.dp * layout.tp)
+    reduce = params * w.policy.reduce_dtype.itemsize
+    dp_payload, end_phases = 2 * reduce, 2  # all-reduce (or reduce-scatter + all-gather)
+    if layout.zero_stage == 3:  # gathers in forward and backward of every micro-batch
+        gathers = ring_seconds(2 * params * itemsize, layout.dp, dp_bw, phases=1)
+        micro_batch_s = max(micro_batch_s, gathers)
+        dp_payload, end_phases = m * 2 * params * itemsize + reduce, 1
+    share = bubble(layout)
+    pipeline_s = m * micro_batch_s / (1 - share)
+    last_backward = 2 / 3 * _flops_per_token(w, layout, 0) * b * s / cluster.flops_per_s
+    dp_s = ring_seconds(reduce, layout.dp, dp_bw, phases=end_phases)
+    total = max(sum(v.values()) for v in by_stage.values())
+    return LayoutEstimate(
+        layout=layout,
+        by_stage=by_stage,
+        bytes_per_gpu=total,
+        fits=total <= cluster.device_memory,
+        step_time_s=pipeline_s + max(0.0, dp_s - last_backward),
+        bubble=share,
+        comm_bytes={"tp": m * tp_payload, "pp": pp_bytes, "dp": dp_payload if layout.dp > 1 else 0},
+    )

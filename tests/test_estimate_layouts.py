@@ -1,0 +1,190 @@
+"""The estimator beyond this machine: per-rank parameters under tensor and pipeline
+parallel, the pipeline schedules' in-flight micro-batches and bubble, the time model's
+links, and the plan for published large runs (meta-free closed forms, no ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import compose_config
+
+from llm.errors import ConfigError
+from llm.estimate.activations import layer_terms, outside_terms
+from llm.estimate.cluster import Cluster
+from llm.estimate.layout import (
+    Layout,
+    bubble,
+    in_flight,
+    p2p_bytes,
+    rank_blocks,
+    rank_params,
+)
+from llm.estimate.layout_estimate import Workload, estimate_layout
+from llm.estimate.plan import plan
+from llm.memory.storage import local_shard
+from llm.models import build_model, model_args, num_params
+from llm.parallel.tensor_parallel import apply_tensor_parallel
+from llm.precision import resolve_precision
+from llm.validate import model_args_for
+
+GIB = 2**30
+
+
+def _cfg(*overrides):
+    return compose_config(["logger=none", "output_dir=unused", *overrides])
+
+
+@pytest.mark.parametrize("family", ["gpt2-tiny", "llama-tiny"])
+def test_rank_params_without_parallelism_is_the_whole_model(family):
+    args = model_args(family)
+    assert rank_params(args, Layout(dp=1), 0) == num_params(args)
+
+
+@pytest.mark.parametrize("family", ["gpt2-tiny", "llama-tiny"])
+def test_rank_params_equal_a_tensor_parallel_ranks_shards(fake_tp_mesh, family):
+    """A tp=2 rank of the real split (DTensor on the fake process group) holds exactly the
+    formula's parameters: split matrices and column biases halved, the rest whole."""
+    args = model_args(family, vocab_size=258)
+    model = apply_tensor_parallel(build_model(args), fake_tp_mesh, sequence_parallel=False)
+    held = sum(local_shard(p).numel() for p in model.parameters())
+    assert held == rank_params(args, Layout(dp=1, tp=2), 0)
+    assert held < num_params(args)
+
+
+def test_pipeline_ranks_split_blocks_and_hold_the_ends():
+    """70 blocks over 12 stages: 6 on the first ten, 5 on the last two; the first stage
+    holds the embedding, the last the final norm and a copy of the tied head."""
+    args = model_args("gpt2-small")  # tied embeddings
+    lay = Layout(dp=1, pp=12)
+    big = model_args("gpt2-small", n_layers=70)
+    assert [rank_blocks(70, lay, r) for r in range(12)] == [6] * 10 + [5] * 2
+    table, h = args.vocab_size * args.d_model, args.d_model
+    block = (num_params(args, exclude_embeddings=True) - 2 * h) // args.n_layers
+    assert rank_params(big, lay, 0) == 6 * block + table + args.max_seq_len * h
+    assert rank_params(big, lay, 5) == 6 * block
+    assert rank_params(big, lay, 11) == 5 * block + 2 * h + table  # final LayerNorm, head copy
+    total = sum(rank_params(big, lay, r) for r in range(12))
+    assert total == num_params(big) + table  # the head copy is the only duplicate
+    interleaved = Layout(dp=1, pp=4, virtual_stages=2, schedule="interleaved_1f1b")
+    assert sum(rank_blocks(70, interleaved, r) for r in range(4)) == 70
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 64), (12, 128)])
+def test_in_flight_micro_batches_and_bubble(p, m):
+    gpipe = Layout(dp=1, pp=p, microbatches=m, schedule="gpipe")
+    one_f = Layout(dp=1, pp=p, microbatches=m, schedule="1f1b")
+    assert [in_flight(gpipe, r) for r in range(p)] == [m] * p
+    assert [in_flight(one_f, r) for r in range(p)] == list(range(p, 0, -1))
+    assert bubble(gpipe) == bubble(one_f) == (p - 1) / (m + p - 1)
+    for v in (2, 4):
+        lay = Layout(dp=1, pp=p, microbatches=m, schedule="interleaved_1f1b", virtual_stages=v)
+        # Korthikanti et al. 2022, section 4.2.3: the first stage's memory x (1 + (p-1)/(pv)).
+        assert in_flight(lay, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+        assert bubble(lay) == (p - 1) / (v * m + p - 1)
+
+
+def test_p2p_bytes_are_bsh_per_micro_batch_and_boundary():
+    args = model_args("gpt2-small")
+    lay = Layout(dp=1, pp=4, micro_batch=2, microbatches=8)
+    assert p2p_bytes(args, lay, 1024, 2) == 2 * (2 * 1024 * 768 * 2) * 8  # forward + backward
+    v2 = Layout(dp=1, pp=4, micro_batch=2, microbatches=8, schedule="interleaved_1f1b")
+    assert p2p_bytes(args, v2, 1024, 2) == p2p_bytes(args, lay, 1024, 2)
+    assert p2p_bytes(args, Layout(dp=2), 1024, 2) == 0
+
+
+def test_schedules_the_estimator_does_not_model_are_refused():
+    with pytest.raises(ConfigError, match="estimator models pipeline schedules"):
+        Layout(dp=1, pp=2, schedule="zbv_zero_bubble")
+
+
+def _workload(model: str, seq: int = 2048) -> Workload:
+    return Workload(
+        args=model_args(model),
+        seq=seq,
+        policy=resolve_precision("bf16", torch.device("cpu")),
+        optimizer=_cfg().optimizer,
+    )
+
+
+def test_stage_memory_is_states_plus_in_flight_activations():
+    """The first stage of a 1f1b pipeline: the ZeRO paper's bytes for its parameters, and
+    p micro-batches of its blocks' activations (the formula, tp- and sp-split)."""
+    w = _workload("gpt3-175b")
+    lay = Layout(dp=8, tp=8, pp=8, zero_stage=1, micro_batch=1, microbatches=16)
+    est = estimate_layout(w, lay, Cluster(8, 8, 80 * GIB, 312e12, 300e9, 25e9))
+    first = est.by_stage["first"]
+    n = rank_params(w.args, lay, 0)
+    assert first["params"] == first["grads"] == 2 * n  # bf16
+    assert first["optimizer_states"] == round(12 * n / 8)  # fp32 master + Adam, over dp
+    layer = sum(layer_terms(w.args, 1, 2048, w.stream, device="cuda", tp=8).values())
+    lookups = sum(
+        v
+        for k, v in outside_terms(w.args, 1, 2048, w.stream, device="cuda", tp=8).items()
+        if k.startswith(("embed", "pos_embed"))
+    )
+    assert first["activations"] == 8 * (12 * layer + lookups)  # 96 blocks / 8 stages
+    assert est.bytes_per_gpu == max(sum(s.values()) for s in est.by_stage.values())
+
+
+def test_tensor_parallel_across_nodes_is_slower():
+    """The same layout with tp=8 on 8-GPU nodes (NVLink) and on 4-GPU nodes (InfiniBand)."""
+    w = _workload("gpt3-175b")
+    lay = Layout(dp=4, tp=8, pp=8, zero_stage=1, recompute="full", microbatches=32)
+    nvlink = estimate_layout(w, lay, Cluster(32, 8, 80 * GIB, 312e12, 300e9, 25e9))
+    split = estimate_layout(w, lay, Cluster(64, 4, 80 * GIB, 312e12, 300e9, 25e9))
+    assert split.step_time_s > 1.5 * nvlink.step_time_s
+    assert split.bytes_per_gpu == nvlink.bytes_per_gpu
+
+
+def _plan(model: str, nodes: int, batch: int, *extra: str):
+    cfg = _cfg(
+        f"model={model}",
+        "data.seq_len=2048",
+        f"estimate.nodes={nodes}",
+        "estimate.gpus_per_node=8",
+        f"estimate.global_batch={batch}",
+        *extra,
+    )
+    return plan(cfg, model_args_for(cfg))
+
+
+def _published(rows, dp, tp, pp, **fields):
+    return [
+        r
+        for r in rows
+        if (r.layout.dp, r.layout.tp, r.layout.pp) == (dp, tp, pp)
+        and all(getattr(r.layout, k) == v for k, v in fields.items())
+    ]
+
+
+def test_bloom_176b_published_layout_fits_384_gpus():
+    """BLOOM-176B: 48 nodes x 8 A100 80 GB, dp=8 x tp=4 x pp=12, ZeRO-1, micro-batch 2,
+    global batch 2048 (BigScience 2022)."""
+    rows = _plan("bloom-176b", 48, 2048)
+    ours = _published(rows, 8, 4, 12, zero_stage=1, micro_batch=2)
+    assert ours and any(r.fits for r in ours)
+    assert ours[0].layout.microbatches == 128
+    assert ours[0].bubble == pytest.approx(11 / (128 + 11))
+    assert all(r.bytes_per_gpu <= 80 * GIB for r in rows if r.fits)
+
+
+@pytest.mark.parametrize(
+    "model,nodes,batch,tp,pp", [("gpt3-175b", 192, 1536, 8, 8), ("megatron-1t", 384, 3072, 8, 64)]
+)
+def test_megatron_published_layouts_fit(model, nodes, batch, tp, pp):
+    """Narayanan et al. 2021: plain data parallel (no ZeRO) x tp=8 x pp over 8-GPU nodes,
+    micro-batch 1, with activation recompute."""
+    rows = _plan(model, nodes, batch)
+    dp = nodes * 8 // (tp * pp)
+    ours = _published(rows, dp, tp, pp, zero_stage=0, micro_batch=1, recompute="full")
+    assert len(ours) == 1 and ours[0].fits
+    # Replicated model states need the pipeline: at tp <= 8 alone they do not fit.
+    assert not any(r.fits for r in rows if r.layout.pp == 1 and r.layout.zero_stage == 0)
+
+
+def test_deepspeed_32_device_example_fits():
+    """DeepSpeed's 3D example: 4 pipeline stages x 4 tensor ranks x 2 data-parallel
+    replicas with ZeRO-1, here for llama2-7b on 4 nodes of 8 GPUs."""
+    rows = _plan("llama2-7b", 4, 256)
+    ours = _published(rows, 2, 4, 4, zero_stage=1)
+    assert ours and all(r.fits for r in ours if r.layout.recompute == "full")
