@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -189,7 +190,9 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
         model = PipelinePart(model, layout, dims.pp_rank)
     if dims.tp_size > 1:
         model = apply_tensor_parallel(model, dims.tp_mesh(), cfg.parallelism.sequence_parallel)
-    freeze(model, cfg.model.freeze)  # before any strategy sees which parameters train
+    # Before any strategy sees which parameters train; a pipeline part holds some names only.
+    freezer = model.freeze if isinstance(model, PipelinePart) else functools.partial(freeze, model)
+    freezer(cfg.model.freeze)
     recompute = recompute_policy(cfg.recompute)
     model = apply_recompute(model, cfg.recompute, recompute)
     model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears

@@ -350,3 +350,23 @@ def test_pipeline_accumulates_loader_batches_under_recompute(
         "recompute=full",
     )
     assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+
+
+@pytest.mark.slow
+def test_frozen_parameters_under_pipeline(tmp_path, reference, text_corpus, cache_dir):
+    """``model.freeze`` patterns name parameters of the whole model: layers.0 lives on stage
+    0 only, and the tied head copy on stage 1 is frozen with the embedding, as the shared
+    parameter is in one process."""
+    frozen = "model.freeze=[tok_embeddings.*,layers.0.*]"
+    _, out = pp_run(tmp_path, text_corpus, cache_dir, "gpt2-tiny", "1f1b", frozen)
+    assert_run_matches(reference("gpt2-tiny", frozen), out, STEPS)
+
+
+@pytest.mark.slow
+def test_pp_split_names_the_stage_boundaries(tmp_path, reference, text_corpus, cache_dir):
+    """pp_split=[3]: blocks 0-2 on stage 0, block 3 with the head on stage 1."""
+    four = "model.n_layers=4"
+    _, out = pp_run(
+        tmp_path, text_corpus, cache_dir, "gpt2-tiny", "gpipe", four, "parallelism.pp_split=[3]"
+    )
+    assert_run_matches(reference("gpt2-tiny", four), out, STEPS)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from fnmatch import fnmatchcase
 
 import torch
 from torch import Tensor, nn
@@ -64,6 +65,15 @@ class PipelinePart(nn.Module):
         calls this after replacing parameters)."""
         if self.args.tie_embeddings and self.first and self.last:
             self.output.weight = self.tok_embeddings.weight
+
+    def freeze(self, patterns: list[str]) -> None:
+        """``model.freeze`` on this rank's parameters. A pattern may match another stage's
+        only (llm.validate checked each against the whole model); a tied head copy is
+        frozen with the embedding, as one process freezes the shared parameter."""
+        for name, param in self.named_parameters():
+            matched = EMBEDDING if self.tied_copy and name == TIED_HEAD else name
+            if any(fnmatchcase(matched, pattern) for pattern in patterns):
+                param.requires_grad_(False)
 
     def weights(self, source: WeightSource) -> WeightSource:
         """``source`` with a tied head copy read from the embedding's initial values."""

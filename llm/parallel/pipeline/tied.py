@@ -46,7 +46,8 @@ class TiedEmbeddings:
 
     def sum_grads(self) -> None:
         """Add the other copy's gradient to this one's (before clipping and the step)."""
-        if self.param is None:
+        # Both copies are frozen or neither (llm.parallel.pipeline.modules freezes the pair).
+        if self.param is None or not self.param.requires_grad:
             return
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
