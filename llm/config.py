@@ -112,13 +112,7 @@ LOSS_SCALER_PRESETS = ("deepspeed", "megatron", "torch")
 
 # Why a data-parallel strategy does not compose with tensor parallel (docs/parallel.md).
 _NOT_WITH_TP = {
-    "ddp": "DDP on a dp sub-mesh swaps the DTensor parameters for new local ones at every "
-    "forward, which the optimizer, checkpoints and tied embeddings here do not follow",
     "deepspeed": "its engine partitions plain tensors, not DTensor shards",
-    **{
-        f"zero{s}": "our ZeRO's flat buckets hold plain tensors, not DTensor shards"
-        for s in (1, 2, 3)
-    },
 }
 
 
@@ -253,10 +247,10 @@ class ParallelismConfig:
                 "parallelism.sequence_parallel=true shards over tensor-parallel ranks; set "
                 "parallelism.tp_size > 1 or sequence_parallel=false"
             )
-        if self.tp_size > 1 and self.name not in ("single", "fsdp"):
+        if self.tp_size > 1 and self.name in _NOT_WITH_TP:
             raise ConfigError(
                 f"parallelism={self.name} with tp_size={self.tp_size}: {_NOT_WITH_TP[self.name]}; "
-                "use parallelism=fsdp for dp x tp, or single for tp alone"
+                "use ddp, fsdp or zero1-3 for dp x tp, or single for tp alone"
             )
         if not 0 <= self.zero_stage <= 3:
             raise ConfigError(f"parallelism.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")

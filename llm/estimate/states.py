@@ -7,6 +7,10 @@ Our ZeRO's figures come from the layout the strategy itself builds
 storage padded to ceil(rows/N) rows, the optimizer's states of the unpadded local rows);
 optimizer states from each optimizer's own declaration (``OPTIMIZERS[name].state_bytes``).
 DeepSpeed's are the ZeRO paper's (its own estimators' assumptions), not its buffers' sizes.
+
+With tensor parallel (``parallelism.tp_size``) every figure is of the rank's local blocks
+(``tp_local_shapes``: tensor parallel's split read off its plan), sharded over the dp size
+world / (tp * pp), as the strategies shard them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig
 from llm.optim import OPTIMIZERS
+from llm.parallel.tensor_parallel import tp_local_shapes
 from llm.parallel.zero.layout import model_buckets
 from llm.precision import PrecisionPolicy
 
@@ -57,25 +62,29 @@ def model_states(
 ) -> RankStates:
     """What rank ``rank`` of ``world`` holds under ``par.name`` (deepspeed: ``par.zero_stage``)."""
     params = list(model.parameters())  # a tied weight once
+    tp = par.tp_size
+    dp = world // (tp * par.pp_size)
+    dp_rank = (rank // tp) % dp
+    shapes = tp_local_shapes(model, tp, rank % tp)
     if par.name in ("single", "ddp"):
-        return _replica(params, policy, opt)
+        return _replica(params, shapes, policy, opt)
     if par.name == "fsdp":
-        return _fsdp(params, policy, opt, world, rank, par.offload_params)
+        return _fsdp(params, shapes, policy, opt, dp, dp_rank, par.offload_params)
     if par.name in ("zero1", "zero2", "zero3"):
-        return _zero(model, par, policy, opt, world, rank)
+        return _zero(model, shapes, par, policy, opt, dp, dp_rank)
     return paper_states(
         sum(p.numel() for p in params), world, par.zero_stage, policy, opt, par.offload_optimizer
     )
 
 
-def _replica(params: list[nn.Parameter], policy: PrecisionPolicy, opt: OptimizerConfig):
+def _replica(params: list[nn.Parameter], shapes, policy: PrecisionPolicy, opt: OptimizerConfig):
     p = policy.param_dtype.itemsize
     trainable = [x for x in params if x.requires_grad]
     out = RankStates()
-    out.device["params"] = p * sum(x.numel() for x in params)
-    out.device["grads"] = p * sum(x.numel() for x in trainable)
-    shapes = [(tuple(x.shape), _kind(tuple(x.shape))) for x in trainable]
-    out.device["optimizer_states"] = _opt_bytes(opt, shapes)
+    out.device["params"] = p * sum(shapes[x].numel() for x in params)
+    out.device["grads"] = p * sum(shapes[x].numel() for x in trainable)
+    held = [(tuple(shapes[x]), _kind(tuple(x.shape))) for x in trainable]
+    out.device["optimizer_states"] = _opt_bytes(opt, held)
     return out
 
 
@@ -86,30 +95,32 @@ def fsdp_local_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return max(0, min(chunk, rows - rank * chunk)), chunk
 
 
-def _fsdp(params, policy, opt, world: int, rank: int, offload: bool) -> RankStates:
+def _fsdp(params, shapes, policy, opt, world: int, rank: int, offload: bool) -> RankStates:
+    """FSDP2 shards dim 0 of what a rank holds: the tp-local block under tensor parallel."""
     p = policy.param_dtype.itemsize
     out = RankStates()
     where = out.host if offload else out.device
-    shapes = []
+    held_shapes = []
     for x in params:
-        held, padded = fsdp_local_rows(x.shape[0], world, rank)
-        inner = math.prod(x.shape[1:])
+        local = shapes[x]
+        held, padded = fsdp_local_rows(local[0], world, rank)
+        inner = math.prod(local[1:])
         where["params"] += p * padded * inner
         if x.requires_grad:
             where["grads"] += p * padded * inner
-            shapes.append(((held, *x.shape[1:]), _kind(tuple(x.shape))))
-    where["optimizer_states"] += _opt_bytes(opt, shapes)
+            held_shapes.append(((held, *local[1:]), _kind(tuple(x.shape))))
+    where["optimizer_states"] += _opt_bytes(opt, held_shapes)
     return out
 
 
-def _zero(model, par: ParallelismConfig, policy, opt, world: int, rank: int) -> RankStates:
+def _zero(model, shapes, par: ParallelismConfig, policy, opt, world: int, rank: int) -> RankStates:
     """Mirrors llm/parallel/zero/buffers.py after a step, before zero_grad: the working
     buffers (stage 3: only the shard; gathered units are freed), the fp32 gradient shard
     (stage 1 also the persistent working-dtype bucket), the master when it is a separate
     copy, and the optimizer's state of each piece of the rank's slice."""
     stage = int(par.name[-1])
     w, m = policy.working_dtype.itemsize, policy.master_dtype.itemsize
-    buckets = model_buckets(model, stage, par.bucket_cap_mb, w, world)
+    buckets = model_buckets(model, stage, par.bucket_cap_mb, w, world, shapes.__getitem__)
     separate = policy.master_dtype != policy.working_dtype or par.offload_optimizer
     out = RankStates()
     opt_where = out.host if par.offload_optimizer else out.device

@@ -15,10 +15,12 @@ from llm.models.shapes import MODEL_SHAPES, model_args
 from llm.models.transformer import Block, Transformer
 from llm.models.weights import (
     InitSource,
+    LocalSource,
     ModuleSource,
     WeightSource,
     adopt,
     flat_range,
+    local_region,
     materialize_from,
     param_name,
 )
@@ -28,6 +30,7 @@ __all__ = [
     "Block",
     "HFSource",
     "InitSource",
+    "LocalSource",
     "ModelArgs",
     "ModuleSource",
     "RopeScaling",
@@ -40,6 +43,7 @@ __all__ = [
     "flops_per_token",
     "freeze",
     "from_hf",
+    "local_region",
     "materialize",
     "materialize_from",
     "model_args",

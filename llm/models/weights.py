@@ -113,10 +113,14 @@ class InitSource(WeightSource):
 class ModuleSource(WeightSource):
     """The current values of an already materialised module (tests, benchmarks, and
     strategies handed a materialised model). Holds its own references, so the values stay
-    readable after a strategy moves the module's parameters into its own buffers."""
+    readable after a strategy moves the module's parameters into its own buffers. A DTensor
+    parameter (tensor parallel) is its local block: the source's shape is the local one."""
 
     def __init__(self, module: nn.Module) -> None:
-        self._tensors = {param_name(n): p.detach() for n, p in module.named_parameters()}
+        self._tensors = {
+            param_name(n): (p.to_local() if isinstance(p, DTensor) else p).detach()
+            for n, p in module.named_parameters()
+        }
 
     def shape(self, name: str) -> torch.Size:
         return self._tensors[param_name(name)].shape
@@ -130,25 +134,75 @@ def adopt(param: nn.Parameter, value: Tensor) -> None:
     modules and references held elsewhere see it. A meta parameter cannot take ``.data``
     from a real tensor: it is first swapped for an empty one on ``value``'s device. ``.data``
     keeps the parameter's own version counter, so writes into a buffer it views (ZeRO-3's
-    gathers) do not invalidate what autograd saved."""
+    gathers) do not invalidate what autograd saved. A DTensor parameter (tensor parallel)
+    keeps its mesh and placements and takes ``value`` (its local block's shape) as its local
+    tensor, a view of ``value``'s storage; autograd saves the DTensor, whose version counter
+    is its own, so writes into ``value`` do not invalidate it either."""
+    if isinstance(param, DTensor):
+        local = DTensor.from_local(
+            value,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+        swap_tensors(param, nn.Parameter(local, requires_grad=param.requires_grad))
+        return
     if param.is_meta:
         empty = nn.Parameter(value.new_empty(0), requires_grad=param.requires_grad)
         swap_tensors(param, empty)
     param.data = value
 
 
-def local_block(weights: WeightSource, name: str, param: DTensor, device) -> Tensor:
-    """The part of parameter ``name`` that this rank's shard of DTensor ``param`` covers (on
-    any mesh whose placements are Shard or Replicate: tensor parallel's column and row
-    splits). A row range is read as rows; a column range costs the whole parameter once."""
+def local_region(param: DTensor) -> tuple[list[int], list[int]]:
+    """(shape, global offset) of this rank's shard of DTensor ``param`` (on any mesh whose
+    placements are Shard or Replicate: tensor parallel's column and row splits)."""
     shape, offset = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, param.placements
     )
-    block = weights.rows(name, offset[0], offset[0] + shape[0], device)
+    return list(shape), list(offset)
+
+
+def _read_block(weights, name, shape, offset, start: int, stop: int, device) -> Tensor:
+    """Rows [start, stop) of the block of ``shape`` at ``offset`` in parameter ``name``: its
+    rows read as rows, then narrowed to its columns (a column range costs the whole rows)."""
+    block = weights.rows(name, offset[0] + start, offset[0] + stop, device)
     for dim in range(1, len(shape)):
-        if shape[dim] != param.shape[dim]:
+        if block.shape[dim] != shape[dim]:
             block = block.narrow(dim, offset[dim], shape[dim])
     return block
+
+
+def local_block(weights: WeightSource, name: str, param: DTensor, device) -> Tensor:
+    """The part of parameter ``name`` that this rank's shard of DTensor ``param`` covers."""
+    shape, offset = local_region(param)
+    return _read_block(weights, name, shape, offset, 0, shape[0], device)
+
+
+class LocalSource(WeightSource):
+    """``weights`` as this rank's blocks of ``model``'s DTensor parameters (tensor parallel):
+    each such parameter reads as if its local block were the whole parameter, so a strategy
+    that cuts flat ranges of what a rank holds (our ZeRO) reads only those. Plain parameters
+    read as in ``weights``."""
+
+    def __init__(self, weights: WeightSource, model: nn.Module) -> None:
+        self.weights = weights
+        self._regions = {
+            param_name(n): local_region(p)
+            for n, p in model.named_parameters()
+            if isinstance(p, DTensor)
+        }
+
+    def shape(self, name: str) -> torch.Size:
+        region = self._regions.get(param_name(name))
+        return torch.Size(region[0]) if region else self.weights.shape(name)
+
+    def rows(self, name: str, start: int, stop: int, device: torch.device) -> Tensor:
+        region = self._regions.get(param_name(name))
+        if region is None:
+            return self.weights.rows(name, start, stop, device)
+        return _read_block(self.weights, name, *region, start, stop, device)
 
 
 @torch.no_grad()

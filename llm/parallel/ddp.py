@@ -16,6 +16,15 @@ from llm.parallel.strategy import register_strategy
 
 
 @register_strategy("ddp")
+def ddp_strategy(cfg, dims, *args, **kwargs) -> SingleStrategy:
+    """torch's DDP; with tensor parallel, torch's FSDP2-style replicate (ddp_tp.py)."""
+    if dims.tp_size > 1:
+        from llm.parallel.ddp_tp import TensorParallelDDP
+
+        return TensorParallelDDP(cfg, dims, *args, **kwargs)
+    return DDPStrategy(cfg, dims, *args, **kwargs)
+
+
 class DDPStrategy(SingleStrategy):
     name = "ddp"
 

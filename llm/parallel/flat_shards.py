@@ -47,12 +47,20 @@ def blocks(shape: tuple[int, ...], a: int, b: int) -> list[tuple[list[int], list
 
 
 def sharded(
-    shape, start: int, local: torch.Tensor | None, like: torch.Tensor, group
+    shape,
+    start: int,
+    local: torch.Tensor | None,
+    like: torch.Tensor,
+    group,
+    block: tuple[list[int], list[int]] | None = None,
 ) -> ShardedTensor:
     """A ShardedTensor of ``shape`` whose local shards are views of ``local``, this rank's
     elements [start, start + local.numel()) of the flattened tensor (a 1-D view into its
-    buffer). ``local`` None or empty: this rank holds none of it; ``like`` then gives dtype,
-    device and pinning (DCP requires them equal on every rank). Collective over ``group``."""
+    buffer). ``block`` (sizes, offsets): the range counts in that block of the tensor instead
+    (tensor parallel's rows or columns of a rank). ``local`` None or empty: this rank holds
+    none of it; ``like`` then gives dtype, device and pinning (DCP requires them equal on
+    every rank). Collective over ``group``, whose ranks' ranges cover the tensor once (shards
+    are placed by global rank, as ShardedTensor requires)."""
     shape = list(shape)
     if local is None or local.numel() == 0:
         # One empty shard, not none: DCP's loader drops a key whose ShardedTensor has no
@@ -61,14 +69,16 @@ def sharded(
         # would replace the real shard that starts there.
         sizes = [0, *shape[1:]]
         empty = like.detach().view(-1)[:0].view(sizes)  # a view keeps the buffer's pinning
-        place = f"rank:{dist.get_rank(group)}/{like.device}"
+        place = f"rank:{dist.get_rank()}/{like.device}"
         meta = ShardMetadata([shape[0]] + [0] * (len(shape) - 1), sizes, place)
         return init_from_local_shards([Shard(empty, meta)], *shape, process_group=group)
     data = local.detach().view(-1)
-    place = f"rank:{dist.get_rank(group)}/{data.device}"
+    place = f"rank:{dist.get_rank()}/{data.device}"
+    sizes_in, origin = block or (shape, [0] * len(shape))
     shards, pos = [], 0
-    for offsets, sizes in blocks(tuple(shape), start, start + data.numel()):
+    for offsets, sizes in blocks(tuple(sizes_in), start, start + data.numel()):
         n = math.prod(sizes)
+        offsets = [o + b for o, b in zip(offsets, origin, strict=True)]
         shards.append(
             Shard(data.narrow(0, pos, n).view(sizes), ShardMetadata(offsets, sizes, place))
         )

@@ -167,7 +167,7 @@ class FSDPStrategy(SingleStrategy):
         yield
 
     def comm(self) -> dict[str, int]:
-        return self.counter.take() | self.mesh_comm()
+        return self.counter.take() | self.tp_comm()
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:

@@ -118,3 +118,16 @@ class ParallelDims:
         if self.tp_size == 1 and self.pp_size == 1:
             return dist.group.WORLD
         return self.mesh["dp_shard"].get_group()
+
+    def new_dp_group(self) -> dist.ProcessGroup:
+        """A second process group over this rank's data-parallel ranks (a channel whose
+        collectives are ordered apart from ``dp_group()``'s). Collective over the world:
+        every rank creates every dp group, as torch.distributed requires."""
+        if self.tp_size == 1 and self.pp_size == 1:
+            return dist.new_group(list(range(self.world_size)))
+        # The mesh (pp, dp_replicate, dp_shard, tp): the dp_shard ranks of every other
+        # coordinate, as dp_group()'s.
+        shard = self.dp_size // self.dp_replicate
+        ranks = self.mesh.mesh.permute(0, 1, 3, 2).reshape(-1, shard).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(ranks)
+        return group

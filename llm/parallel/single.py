@@ -141,4 +141,4 @@ class SingleStrategy(StrategyBase):
         return state_bytes(self.state_tensors())
 
     def comm(self) -> dict[str, int]:
-        return self.mesh_comm()
+        return self.tp_comm()

@@ -126,7 +126,7 @@ class StrategyBase:
         """Where the forward, the loss and (``training``) the backward run: under tensor
         parallel the logits stay vocab-sharded and cross-entropy runs on the shards
         (``loss_parallel``), and with parallelism.count_comm a training step's DTensor
-        collectives are counted by mesh dimension (``mesh_comm()``)."""
+        collectives are counted by mesh dimension (``tp_comm()``)."""
         stack = contextlib.ExitStack()
         if self.dims.tp_size > 1:
             stack.enter_context(loss_parallel())
@@ -136,7 +136,7 @@ class StrategyBase:
                 stack.enter_context(self._mesh_counter)
         return stack
 
-    def mesh_comm(self) -> dict[str, int]:
+    def tp_comm(self) -> dict[str, int]:
         """Bytes of the DTensor collectives counted since the last call (tensor parallel),
         and of the sends between pipeline stages (``pp.send_activations``,
         ``pp.send_gradients``)."""

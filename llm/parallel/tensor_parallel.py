@@ -44,6 +44,7 @@ __all__ = [
     "loss_parallel",
     "padded_vocab",
     "tp_copies",
+    "tp_local_shapes",
 ]
 
 
@@ -107,11 +108,8 @@ def _block_plan(family: str, sp: bool) -> dict:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
-    """Split ``model`` (a llm.models.Transformer, on any device, meta included) over the 1-D
-    tp ``mesh``; every Attention then computes its local heads."""
-    tp = mesh.size()
-    sp = sequence_parallel
+def _root_plan(model: nn.Module, sp: bool) -> dict:
+    """Styles for the modules outside the blocks: embeddings, final norm, head."""
     residual = Shard(1) if sp else Replicate()
     plan = {
         # Vocab-parallel embedding: each rank looks up its rows, the partial sums meet in an
@@ -128,9 +126,17 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
         plan["pos_embeddings"] = PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(-2)
         )
-    # A pipeline stage's part holds some of these modules only.
-    plan = {name: style for name, style in plan.items() if hasattr(model, name)}
-    parallelize_module(model, mesh, plan)
+    # Only the modules the model has: llama has no position table, and a pipeline stage's
+    # part holds some of them only.
+    return {name: style for name, style in plan.items() if hasattr(model, name)}
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
+    """Split ``model`` (a llm.models.Transformer, on any device, meta included) over the 1-D
+    tp ``mesh``; every Attention then computes its local heads."""
+    tp = mesh.size()
+    sp = sequence_parallel
+    parallelize_module(model, mesh, _root_plan(model, sp))
     layers = model.layers
     for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(block, mesh, _block_plan(model.args.family, sp))
@@ -138,6 +144,43 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
         block.attention.n_kv_heads //= tp
     model.tie_weights()  # the head's parameter was replaced: share the embedding's again
     return model
+
+
+def _split_dims(style, module: nn.Module) -> dict[str, int]:
+    """Which of ``module``'s parameters ``style`` shards, and on which dim (torch's rules:
+    column-parallel shards a Linear's output features, weight and bias, and an Embedding's
+    columns; row-parallel a Linear's input features, its bias replicated, and an
+    Embedding's rows). Other styles move activations only."""
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return {"weight": 1} if embedding else {"weight": 0, "bias": 0}
+    if isinstance(style, RowwiseParallel):
+        return {"weight": 0} if embedding else {"weight": 1}
+    return {}
+
+
+def tp_local_shapes(model: nn.Module, tp_size: int, tp_rank: int) -> dict[nn.Parameter, torch.Size]:
+    """Each parameter's local shape on tp rank ``tp_rank`` under apply_tensor_parallel's
+    split, read off the plan and the module types alone (a plain meta model, no mesh: what
+    llm.estimate sizes). A sharded dim is cut as DTensor cuts it (ceil(n / tp) per rank, the
+    last ones shorter); a tied head shares the embedding's parameter and its split."""
+    shapes = {p: p.shape for p in model.parameters()}
+    if tp_size == 1:
+        return shapes
+    plan = _root_plan(model, sp=False)  # sequence parallel splits no other parameter
+    for i in range(len(model.layers)):
+        family = model.args.family
+        plan |= {f"layers.{i}.{k}": v for k, v in _block_plan(family, sp=False).items()}
+    for fqn, style in plan.items():
+        module = model.get_submodule(fqn)
+        for name, dim in _split_dims(style, module).items():
+            param = getattr(module, name, None)
+            if param is not None:
+                size = param.shape[dim]
+                chunk = -(-size // tp_size)
+                local = max(0, min(chunk, size - tp_rank * chunk))
+                shapes[param] = torch.Size((*param.shape[:dim], local, *param.shape[dim + 1 :]))
+    return shapes
 
 
 def tp_copies(param: torch.Tensor, tp_size: int) -> int:

@@ -27,6 +27,7 @@ it (and so do tensors autograd saved), and refilling the storage makes them vali
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from llm.models import WeightSource, adopt, flat_range
 from llm.parallel.zero.layout import Bucket, Piece, Slot
@@ -62,7 +63,7 @@ class BucketBuffers:
             view = self.full[slot.offset : slot.offset + slot.numel]
             if stage < 3:  # the working parameters are whole on every rank
                 view.copy_(weights.whole(slot.name, device).flatten())
-            adopt(slot.param, view.view(slot.param.shape))
+            adopt(slot.param, view.view(slot.shape))
         self.shard = self.full[lo:hi] if stage < 3 else values.to(working_dtype)
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -96,10 +97,13 @@ class BucketBuffers:
         if self.stage == 1:
             # Gradients accumulate straight into the bucket (autograd adds into .grad in
             # place), so accumulation needs no communication until the last micro-batch.
+            # A DTensor's gradient (tensor parallel) is a new DTensor, possibly placed
+            # otherwise than its parameter: the strategy adds its local block in (add_grad).
             self.grad_full = torch.zeros_like(self.full)
             for slot in self.bucket.slots:
-                view = self.grad_full[slot.offset : slot.offset + slot.numel]
-                slot.param.grad = view.view(slot.param.shape)
+                if not isinstance(slot.param, DTensor):
+                    view = self.grad_full[slot.offset : slot.offset + slot.numel]
+                    slot.param.grad = view.view(slot.shape)
         self.grad_shard = torch.zeros(self.bucket.shard, dtype=master_dtype, device=device)
         # Host copies are pinned when the device is a GPU, so copies to and from it run
         # asynchronously (non_blocking) instead of through a staging buffer.
@@ -132,17 +136,24 @@ class BucketBuffers:
         self.full.untyped_storage().resize_(0)
 
     # ---- gradients --------------------------------------------------------------------
-    def take_grad(self, slot: Slot, world: int) -> None:
-        """Stage 2/3: move a parameter's fresh gradient into the bucket, in the reduce dtype
-        and divided by the data-parallel size before the reduction (fp16 headroom)."""
+    def take_grad(self, slot: Slot, grad: torch.Tensor, world: int) -> None:
+        """Stage 2/3: move a parameter's fresh gradient (its local block under tensor
+        parallel) into the bucket, in the reduce dtype and divided by the data-parallel size
+        before the reduction (fp16 headroom)."""
         if self.grad_full is None:
             # Zeros: padding, and parameters unused in this backward, reduce to zero.
             self.grad_full = torch.zeros(
                 self.bucket.padded, dtype=self.reduce_dtype, device=self.full.device
             )
         view = self.grad_full[slot.offset : slot.offset + slot.numel]
-        view.copy_(slot.param.grad.flatten())
+        view.copy_(grad.flatten())
         view.div_(world)
+        slot.param.grad = None
+
+    def add_grad(self, slot: Slot, grad: torch.Tensor) -> None:
+        """Stage 1 under tensor parallel: add a DTensor's local gradient block into the
+        persistent bucket (what autograd does in place for a plain parameter)."""
+        self.grad_full[slot.offset : slot.offset + slot.numel].add_(grad.flatten())
         slot.param.grad = None
 
     def reduce_input(self, world: int) -> torch.Tensor:

@@ -13,15 +13,29 @@ optimizer lays buffers out the same way).
 A rank's slice cuts through parameters; the pieces (parameter ∩ slice) are what the
 optimizer steps, so element-wise optimizers need no change, and a piece knows which
 parameter it came from for norm-based ones.
+
+Under tensor parallel a parameter is a DTensor and a bucket holds its local block (the
+rank's rows or columns, or the whole of a tp-replicated one): ``Slot.shape`` is that block's
+shape, and the buckets are cut over the data-parallel ranks only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from llm.models import param_name
+from llm.parallel.tensor_parallel import local_tensor
+
+ShapeOf = Callable[[nn.Parameter], torch.Size]
+
+
+def local_shape(param: nn.Parameter) -> torch.Size:
+    """The shape of what this rank holds of ``param``: a DTensor's local block, else all."""
+    return local_tensor(param).shape
 
 
 @dataclass
@@ -32,6 +46,7 @@ class Slot:
     param: nn.Parameter
     offset: int
     numel: int
+    shape: torch.Size  # of the elements in the bucket: the local block under tensor parallel
 
 
 @dataclass
@@ -72,23 +87,29 @@ class Bucket:
 
 
 def build_buckets(
-    named_params: list[tuple[str, nn.Parameter, int]], bucket_numel: int, world: int
+    named_params: list[tuple[str, nn.Parameter, int]],
+    bucket_numel: int,
+    world: int,
+    shape_of: ShapeOf = local_shape,
 ) -> list[Bucket]:
     """Pack ``(name, param, unit)`` in order into buckets; a new bucket starts when the
-    current one would pass ``bucket_numel``, the unit changes or ``requires_grad`` does."""
+    current one would pass ``bucket_numel``, the unit changes or ``requires_grad`` does.
+    ``shape_of(param)``: what of the parameter this rank buckets."""
     buckets: list[Bucket] = []
     for name, param, unit in named_params:
+        shape = torch.Size(shape_of(param))
+        numel = shape.numel()
         current = buckets[-1] if buckets else None
         if (
             current is None
             or current.unit != unit
             or current.trainable != param.requires_grad
-            or (current.numel and current.numel + param.numel() > bucket_numel)
+            or (current.numel and current.numel + numel > bucket_numel)
         ):
             current = Bucket(index=len(buckets), unit=unit, trainable=param.requires_grad)
             buckets.append(current)
-        current.slots.append(Slot(param_name(name), param, current.numel, param.numel()))
-        current.numel += param.numel()
+        current.slots.append(Slot(param_name(name), param, current.numel, numel, shape))
+        current.numel += numel
     for bucket in buckets:
         bucket.shard = -(-bucket.numel // world)
         bucket.padded = bucket.shard * world
@@ -96,10 +117,16 @@ def build_buckets(
 
 
 def model_buckets(
-    model: nn.Module, stage: int, bucket_cap_mb: float, working_itemsize: int, world: int
+    model: nn.Module,
+    stage: int,
+    bucket_cap_mb: float,
+    working_itemsize: int,
+    world: int,
+    shape_of: ShapeOf = local_shape,
 ) -> list[Bucket]:
     """The buckets of ``model`` (meta or materialised) under ZeRO ``stage`` on ``world``
-    ranks: the strategy builds its buffers from them and llm.estimate sizes them, so the
+    data-parallel ranks: the strategy builds its buffers from them and llm.estimate sizes
+    them (a plain meta model, with tensor parallel's local shapes as ``shape_of``), so the
     estimate is this layout. Stage 3's gather units are the blocks in order, then the root
     (everything outside ``model.layers``); stages 1-2 keep model order in one unit."""
     blocks = list(getattr(model, "layers", []))
@@ -115,4 +142,4 @@ def model_buckets(
     if stage == 3:
         named.sort(key=lambda item: item[2])  # blocks in order, then the root
     bucket_numel = max(1, int(bucket_cap_mb * 2**20 / working_itemsize))
-    return build_buckets(named, bucket_numel, world)
+    return build_buckets(named, bucket_numel, world, shape_of)

@@ -47,10 +47,11 @@ class GradientReducer:
         self.next = 0  # position in ``order`` of the next bucket to launch
         self.pending: deque = deque()  # (buffers, input, output, work), oldest first
 
-    def on_grad(self, buf: BucketBuffers, slot: Slot) -> None:
-        """A parameter's gradient was accumulated (autograd's post-accumulate hook)."""
+    def on_grad(self, buf: BucketBuffers, slot: Slot, grad: torch.Tensor) -> None:
+        """A parameter's gradient ``grad`` (its local block under tensor parallel) was
+        accumulated (autograd's post-accumulate hook)."""
         if self.stage >= 2:
-            buf.take_grad(slot, self.world)
+            buf.take_grad(slot, grad, self.world)
         buf.arrived += 1
         while self.next < len(self.order) and self.order[self.next].complete:
             self._launch(self.order[self.next])

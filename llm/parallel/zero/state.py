@@ -9,6 +9,12 @@ load reads only the chunks that overlap them, from a checkpoint saved by any wor
 strategy, straight into place; nothing larger than one saved chunk is ever materialised.
 A parameter of which this rank owns nothing is a ShardedTensor with no data here.
 
+Under tensor parallel a piece is a flat range of the rank's DTensor block, placed at that
+block's offset in the whole parameter, so the keys and shapes are those of one process and
+of tensor parallel's own DTensor checkpoints. A tp-split parameter's ShardedTensor spans the
+world (every rank's pieces together cover it once); a tp-replicated one (norms, row-parallel
+biases) spans the dp group, and DCP writes the chunks the tp peers share once.
+
 After a load the 16-bit working shard is refreshed from the master, and under stages 1-2 the
 working buffers are all-gathered (the working parameters, 2Φ, as after every step).
 """
@@ -17,10 +23,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from llm.models import param_name
+from llm.models import local_region, param_name
 from llm.optim import materialize_state
 from llm.parallel.flat_shards import sharded
+from llm.parallel.tensor_parallel import tp_copies
 from llm.parallel.zero.collectives import all_gather
 
 
@@ -75,11 +83,20 @@ def _scalar(value):
     return torch.tensor(value) if isinstance(value, float) else value
 
 
+def _placed(strategy, slot) -> tuple[list[int] | None, dist.ProcessGroup]:
+    """Where ``slot``'s bucketed block sits in its parameter (None: it is the whole), and
+    the group whose pieces of it cover the parameter once."""
+    param = slot.param
+    if not isinstance(param, DTensor) or tp_copies(param, strategy.dims.tp_size) > 1:
+        return None, strategy.group
+    return local_region(param), dist.group.WORLD
+
+
 def checkpoint_state(strategy) -> dict:
     """The state dict over this rank's own pieces (views; DCP loads into them in place)."""
     ensure_optimizer_state(strategy)
     group_names, moments, scalars = _agreed_layout(strategy)
-    optimizer, group = strategy.optimizer, strategy.group
+    optimizer = strategy.optimizer
     model_sd, optim_state = {}, {}
     for buf in strategy.buffers:
         if not buf.bucket.trainable:
@@ -91,9 +108,10 @@ def checkpoint_state(strategy) -> dict:
             start = piece.param_range[0] if piece else 0
             state = optimizer.state[tensor] if piece else {}
             shape = slot.param.shape
-            model_sd[slot.name] = sharded(shape, start, tensor, buf.master, group)
+            block, group = _placed(strategy, slot)
+            model_sd[slot.name] = sharded(shape, start, tensor, buf.master, group, block)
             optim_state[slot.name] = {
-                k: sharded(shape, start, state.get(k), _empty(dtype, buf.master), group)
+                k: sharded(shape, start, state.get(k), _empty(dtype, buf.master), group, block)
                 for k, dtype in moments.items()
             } | {k: _scalar(v) for k, v in scalars.items()}
     for name, value in strategy.model.state_dict(keep_vars=True).items():
@@ -122,7 +140,8 @@ def _frozen_state(strategy, buf) -> dict:
         piece = owned.get(slot.name)
         local = buf.shard[piece.start - lo : piece.stop - lo] if piece else None
         start = piece.param_range[0] if piece else 0
-        out[slot.name] = sharded(slot.param.shape, start, local, buf.shard, strategy.group)
+        block, group = _placed(strategy, slot)
+        out[slot.name] = sharded(slot.param.shape, start, local, buf.shard, group, block)
     return out
 
 

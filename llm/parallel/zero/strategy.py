@@ -16,6 +16,11 @@ master dtype (fp32) in the shard; buckets are reduce-scattered in a fixed order 
 parameters went unused (reducer.py). Frozen parameters (requires_grad False) sit in buckets
 of their own: no gradient, no master copy, no optimizer state; stage 3 still shards them.
 
+Under tensor parallel (``parallelism.tp_size > 1``) the buckets hold each DTensor
+parameter's local block (its local tensor is a view of the bucket, so stage 3's gathers
+refill what the DTensor holds), every collective runs on the data-parallel group, and the
+clipping norm counts a tp-replicated element once (docs/parallel.md).
+
 Under fp16/bf16 the working parameters and gradients are 16-bit and the fp32 master copy
 lives only in the partitioned optimizer: 2Φ + 2Φ + 12Φ/N bytes per rank at stage 1 as the
 paper counts, plus the fp32 gradient shard (4Φ/N) and the buckets in flight. Layout:
@@ -31,14 +36,16 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from llm.config import OptimizerConfig
 from llm.memory import optimizer_state_tensors, state_bytes
-from llm.models import ModuleSource, WeightSource, materialize_from
+from llm.models import LocalSource, ModuleSource, WeightSource, materialize_from
 from llm.optim import GradientPass, optimizer_for_groups, optimizer_param_groups, wrap_optimizer
 from llm.parallel.param_norms import summed_norms
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
 from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
+from llm.parallel.tensor_parallel import tp_copies
 from llm.parallel.zero import state
 from llm.parallel.zero.buffers import BucketBuffers
 from llm.parallel.zero.collectives import all_gather
@@ -72,7 +79,8 @@ class ZeroStrategy(StrategyBase):
         the model is on the meta device and each bucket reads only what this rank holds."""
         blocks = list(getattr(model, "layers", []))
         root = len(blocks) if self.stage == 3 else 0
-        source = ModuleSource(model) if weights is None else weights
+        # Under tensor parallel both read each DTensor's local block as the whole parameter.
+        source = ModuleSource(model) if weights is None else LocalSource(weights, model)
         self.buffers = self._build_buffers(model, source)
         if weights is not None:  # anything no bucket holds (none in our models) comes whole
             materialize_from(model, weights, self.device)
@@ -128,10 +136,10 @@ class ZeroStrategy(StrategyBase):
         collectives get a group of their own (the same ranks), so each group's order is fixed."""
         if self.stage < 3 or not dist.is_initialized():
             return self.group
-        return dist.new_group(dist.get_process_group_ranks(self.group or dist.group.WORLD))
+        return self.dims.new_dp_group()
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-        refuse_optimizer(self.name, cfg.name)
+        refuse_optimizer(self.name, cfg.name, tp_size=self.dims.tp_size)
         # The factory's groups (weight decay or not, per parameter) carried over to pieces.
         factory_groups = optimizer_param_groups(model, cfg)
         group_of = {p: i for i, g in enumerate(factory_groups) for p in g["params"]}
@@ -182,26 +190,52 @@ class ZeroStrategy(StrategyBase):
         self.scaler.scale_loss(loss).backward()
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        buf, slot = self._buffers_of[param], self._slot_of[param]
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            # Tensor parallel: the local block in the parameter's own placements (under
+            # sequence parallel a norm gain's gradient is Partial: one all-reduce on tp).
+            if grad.placements != param.placements:
+                grad = grad.redistribute(param.device_mesh, param.placements)
+            grad = grad.to_local()
+            if self.stage == 1:  # accumulated into the bucket on every micro-batch
+                buf.add_grad(slot, grad)
         if self._sync:
-            self.reducer.on_grad(self._buffers_of[param], self._slot_of[param])
+            self.reducer.on_grad(buf, slot, grad)
 
     # ---- step -------------------------------------------------------------------------
     @property
     def _trainable(self) -> list[BucketBuffers]:
         return [buf for buf in self.buffers if buf.bucket.trainable]
 
+    def _norm_inputs(self) -> tuple[list[torch.Tensor], int | list[int], dist.ProcessGroup]:
+        """The gradient shards, how many ranks hold each element, and the group to sum over.
+        Without tensor parallel each element lives on exactly one dp rank; with it the
+        pieces of a tp-replicated parameter (norms, row-parallel biases) repeat on every tp
+        rank, so each piece is counted with its own copies, summed over the world."""
+        if self.dims.tp_size == 1:
+            return [buf.grad_shard for buf in self._trainable], 1, self.group
+        grads, copies = [], []
+        for buf in self._trainable:
+            lo = buf.bucket.shard_range(self.rank)[0]
+            for piece in buf.pieces:
+                grads.append(buf.grad_shard[piece.start - lo : piece.stop - lo])
+                copies.append(tp_copies(piece.slot.param, self.dims.tp_size))
+        return grads, copies, dist.group.WORLD
+
     def clip_and_step(self, max_norm: float) -> StepResult:
         # Norm, overflow check and clipping on the gradient shards where they were reduced
         # (the device: an offloaded optimizer gets its host copy after clipping).
+        grads, replicas, group = self._norm_inputs()
         return overflow_checked_step(
-            [buf.grad_shard for buf in self._trainable],
+            grads,
             max_norm,
             self.scaler,
             self._optimizer_step,
             self._nonfinite_grad_names,
             self.device,
-            grad_replicas=1,  # every gradient element lives on exactly one rank
-            group=self.group,
+            replicas,
+            group,
         )
 
     def _nonfinite_grad_names(self) -> list[str]:
@@ -236,13 +270,14 @@ class ZeroStrategy(StrategyBase):
 
     def take_gradient_pass(self, extra: GradientPass, tokens: torch.Tensor) -> None:
         """The pass's reduced gradient shards, as the pieces' .grad (llm/optim/gradient_pass.py)."""
+        grads, replicas, group = self._norm_inputs()
         checked_gradient_pass(
-            [buf.grad_shard for buf in self._trainable],
+            grads,
             self.scaler,
             lambda: (self._attach_grads(), extra.consume(tokens)),
             self.device,
-            grad_replicas=1,
-            group=self.group,
+            replicas,
+            group,
         )
 
     def zero_grad(self) -> None:
@@ -259,8 +294,10 @@ class ZeroStrategy(StrategyBase):
             self._sent[kind] += payload.numel() * payload.element_size()
 
     def comm(self) -> dict[str, int]:
+        """Payload bytes of our collectives on the dp group, and under tensor parallel
+        DTensor's on the mesh by dimension (``tp.*``)."""
         sent, self._sent = dict(self._sent), Counter()
-        return sent
+        return sent | self.tp_comm()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Working params (stage 3: the full buffers hold only the blocks gathered now, their
