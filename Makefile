@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention bench-optimizers bench-recompute clean
+.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -52,6 +52,9 @@ bench-attention: $(STAMP) ## attention backends: time, TFLOP/s, memory vs T (tab
 
 bench-recompute: $(STAMP) ## recompute policies: activations per layer, step peak, step-time overhead (table + plot)
 	$(PY) benchmarks/recompute.py $(ARGS)
+
+bench-pipeline: $(STAMP) ## pipeline schedules: bubble, activations in flight, bytes per stage boundary against the formulas
+	$(PY) benchmarks/pipeline.py $(ARGS)
 
 bench-optimizers: $(STAMP) ## each optimizer's step time and state bytes, ours against library versions
 	$(PY) benchmarks/optimizers.py $(ARGS)

@@ -103,12 +103,69 @@ PP_SCHEDULES = (
     "zbv_zero_bubble",
     "dualpipev",
 )
+# Schedules that run one stage per rank, and those that place two stages per rank in a V
+# (rank r holds stage r and stage 2p-1-r, so the first and last stage share rank 0).
+PP_SINGLE_STAGE = frozenset({"gpipe", "1f1b"})
+PP_V_SHAPED = frozenset({"zbv_zero_bubble", "dualpipev"})
 LOSS_SCALER_PRESETS = ("deepspeed", "megatron", "torch")
 
 
 # Why a data-parallel strategy does not compose with tensor parallel (docs/parallel.md).
 _NOT_WITH_TP = {
     "deepspeed": "its engine partitions plain tensors, not DTensor shards",
+}
+
+
+def _check_pp_schedule(p: ParallelismConfig) -> None:
+    """What a schedule needs of the stages per rank and the micro-batch count; one line
+    each, from ParallelismConfig.__post_init__."""
+    name, v, m = p.pp_schedule, p.pp_virtual_stages, p.microbatches
+    if name in PP_SINGLE_STAGE and v != 1:
+        raise ConfigError(
+            f"parallelism.pp_schedule={name} runs one stage per rank but pp_virtual_stages={v}; "
+            "set pp_virtual_stages=1 or use pp_schedule=interleaved_1f1b"
+        )
+    if name in PP_V_SHAPED and v != 2:
+        raise ConfigError(
+            f"parallelism.pp_schedule={name} places exactly 2 stages per rank in a V; set "
+            "parallelism.pp_virtual_stages=2"
+        )
+    if name not in PP_SINGLE_STAGE | PP_V_SHAPED and v < 2:
+        raise ConfigError(
+            f"parallelism.pp_schedule={name} interleaves several stages per rank; set "
+            "parallelism.pp_virtual_stages >= 2 or use pp_schedule=1f1b"
+        )
+    stages = p.pp_size * v
+    if name == "1f1b" and m < p.pp_size:
+        raise ConfigError(
+            f"parallelism.pp_schedule=1f1b needs at least as many micro-batches as stages: "
+            f"pp_microbatches={m} < pp_size={p.pp_size}; raise pp_microbatches"
+        )
+    if name == "dualpipev" and m < stages:
+        raise ConfigError(
+            f"parallelism.pp_schedule=dualpipev needs at least as many micro-batches as its "
+            f"{stages} stages, got pp_microbatches={m}; raise pp_microbatches"
+        )
+    if name in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, m // p.pp_size)  # as torch's schedule counts them
+        if m % rounds:
+            raise ConfigError(
+                f"parallelism.pp_schedule={name} runs micro-batches in rounds of pp_size: "
+                f"pp_microbatches={m} is not a multiple of {rounds} rounds; use a multiple of "
+                f"pp_size={p.pp_size}"
+            )
+
+
+# Why a data-parallel strategy does not compose with pipeline parallel (docs/parallel.md).
+_NOT_WITH_PP = {
+    "ddp": "DDP's reducer expects one forward and one backward per micro-batch, not a "
+    "schedule's interleaved stages (fsdp is the supported dp dimension)",
+    "deepspeed": "DeepSpeed pipelines through its own PipelineModule engine, not supported here",
+    **{
+        f"zero{s}": "our ZeRO's buckets are built for one forward and backward per micro-batch "
+        "of a whole model"
+        for s in (1, 2, 3)
+    },
 }
 
 
@@ -153,6 +210,11 @@ class ParallelismConfig:
     # distort step time.
     count_comm: bool = False
 
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per loader batch (pp_microbatches, -1: pp_size)."""
+        return self.pp_size if self.pp_microbatches == -1 else self.pp_microbatches
+
     def __post_init__(self) -> None:
         _require_choice("parallelism", "name", self.name, STRATEGY_NAMES)
         _require_positive(
@@ -173,9 +235,13 @@ class ParallelismConfig:
                 f"parallelism.pp_microbatches={self.pp_microbatches} must be > 0, or -1 for pp_size"
             )
         if self.pp_size > 1:
-            raise ConfigError(
-                "parallelism.pp_size > 1 (pipeline parallel) is not implemented yet; use pp_size=1"
-            )
+            _check_pp_schedule(self)
+            if self.name not in ("single", "fsdp"):
+                raise ConfigError(
+                    f"parallelism={self.name} with pp_size={self.pp_size}: "
+                    f"{_NOT_WITH_PP[self.name]}; use parallelism=fsdp for dp x pp, or single "
+                    "for pp alone"
+                )
         if self.sequence_parallel and self.tp_size == 1:
             raise ConfigError(
                 "parallelism.sequence_parallel=true shards over tensor-parallel ranks; set "

@@ -1,10 +1,11 @@
-"""One rank's run: dist init -> model (meta) -> tensor parallel -> recompute -> precision
--> strategy.wrap (shards, then materialises this rank's part) -> compile -> optimizer -> data
--> Trainer.fit -> summary.json."""
+"""One rank's run: dist init -> model (meta) -> pipeline split -> tensor parallel -> recompute
+-> precision -> strategy.wrap (shards, then materialises this rank's part) -> compile
+-> optimizer -> data -> Trainer.fit -> summary.json."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from llm.models import (
 )
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.pipeline import PipelineLayout, PipelinePart
 from llm.parallel.tensor_parallel import apply_tensor_parallel, padded_vocab
 from llm.precision import apply_precision, build_loss_scaler, resolve_precision
 from llm.recompute import apply_recompute, recompute_policy
@@ -179,12 +181,18 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
             f"{prepared.tokenizer.vocab_size}; set model.vocab_size or use another data.tokenizer"
         )
     # Fixed order (torchtitan): everything up to wrap() happens on the meta device (no
-    # storage): tensor parallel, recompute, precision, then wrap() shards over dp and
-    # allocates and fills only what this rank holds, so under tp, zero3 and fsdp the
-    # unsharded model never exists on any rank. Compile comes after wrap (below).
+    # storage): the pipeline split, tensor parallel, recompute, precision, then wrap()
+    # shards over dp and allocates and fills only what this rank holds, so under pp, tp,
+    # zero3 and fsdp the unsharded model never exists on any rank. Compile comes after
+    # wrap (below).
+    if dims.pp_size > 1:  # this rank's stages only, under the whole model's names
+        layout = PipelineLayout.from_config(cfg.parallelism, args.n_layers)
+        model = PipelinePart(model, layout, dims.pp_rank)
     if dims.tp_size > 1:
         model = apply_tensor_parallel(model, dims.tp_mesh(), cfg.parallelism.sequence_parallel)
-    freeze(model, cfg.model.freeze)  # before any strategy sees which parameters train
+    # Before any strategy sees which parameters train; a pipeline part holds some names only.
+    freezer = model.freeze if isinstance(model, PipelinePart) else functools.partial(freeze, model)
+    freezer(cfg.model.freeze)
     recompute = recompute_policy(cfg.recompute)
     model = apply_recompute(model, cfg.recompute, recompute)
     model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears
@@ -296,6 +304,7 @@ def _run_facts(
         "world_size": env.world_size,
         "dp_size": dims.dp_size,
         "tp_size": dims.tp_size,
+        "pp_size": dims.pp_size,
         "strategy": cfg.parallelism.name,
         "precision": precision.name,
         "model": cfg.model.name,

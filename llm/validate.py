@@ -18,6 +18,7 @@ from llm.errors import ConfigError
 from llm.models import HFSource, ModelArgs, build_model, freeze, model_args
 from llm.optim import OPTIMIZERS
 from llm.parallel.mesh import ParallelDims
+from llm.parallel.pipeline import check_layout
 from llm.parallel.strategy import refuse_optimizer
 from llm.parallel.tensor_parallel import check_tensor_parallel
 from llm.precision import resolve_precision
@@ -77,11 +78,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             "visible; lower launcher.nproc_per_node or use train.device=cpu"
         )
     tp = cfg.parallelism.tp_size
-    if cfg.parallelism.name == "single" and nproc > tp:
+    per_replica = tp * cfg.parallelism.pp_size
+    if cfg.parallelism.name == "single" and nproc > per_replica:
         raise ConfigError(
-            f"parallelism=single runs one process (one per tensor-parallel rank: tp_size={tp}) "
-            f"but {nproc} ranks were asked for; use parallelism=ddp or "
-            f"launcher.nproc_per_node={tp}"
+            f"parallelism=single runs one process (one per tensor-parallel rank and pipeline "
+            f"stage: tp_size x pp_size = {per_replica}) but {nproc} ranks were asked for; use "
+            f"parallelism=fsdp or launcher.nproc_per_node={per_replica}"
         )
     if device.type == "cpu" and world_size is None:
         _check_cpu_ranks(nproc, cfg.launcher.allow_oversubscribe)
@@ -103,8 +105,32 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             )
     p = cfg.parallelism
     check_tensor_parallel(args, tp, cfg.data.seq_len, p.sequence_parallel)
+    _validate_pipeline(cfg, args)
     _validate_attention(cfg, args, precision.compute_dtype, device)
     _validate_recompute(cfg, device)
+
+
+def _validate_pipeline(cfg: Config, args: ModelArgs) -> None:
+    """What pipeline parallel needs of the model, the batch and the other groups."""
+    p = cfg.parallelism
+    if p.pp_size == 1:
+        return
+    check_layout(p, args.n_layers, cfg.train.micro_batch_size)
+    if cfg.attention.document_mask:
+        raise ConfigError(
+            f"attention.document_mask=true with parallelism.pp_size={p.pp_size}: document ids "
+            "are not passed between pipeline stages; set document_mask=false or pp_size=1"
+        )
+    if cfg.train.compile:
+        raise ConfigError(
+            f"train.compile=true with parallelism.pp_size={p.pp_size}: the stage modules are "
+            "not compiled here; set train.compile=false"
+        )
+    if OPTIMIZERS[cfg.optimizer.name].gradient_pass:
+        raise ConfigError(
+            f"optimizer={cfg.optimizer.name} with parallelism.pp_size={p.pp_size}: its extra "
+            "gradient pass is not run through the pipeline schedule; use adamw"
+        )
 
 
 def _validate_recompute(cfg: Config, device: torch.device) -> None:

@@ -86,7 +86,10 @@ def test_every_experiment_composes(experiment):
         (["model.init_from=/does/not/exist"], "model.init_from=/does/not/exist is not a directory"),
         (["data=files"], "data=files needs data.path"),
         (["model.name=gpt5"], "gpt5"),
-        (["parallelism.pp_size=2"], "not implemented yet"),
+        (
+            ["parallelism.pp_size=2", "parallelism.pp_virtual_stages=2"],
+            "pp_schedule=1f1b runs one stage per rank",
+        ),
         (["recompute=budget"], "recompute=budget is torch.compile's partitioner and needs"),
         (["recompute=offload"], "recompute=offload moves activations from the GPU"),
         (["recompute=full", "recompute.every=0"], "recompute.every=0 must be > 0"),

@@ -4,8 +4,7 @@ micro-batches a pipeline schedule keeps in flight, the bubble, and the stage-bou
 traffic. Closed forms from the shape alone, so a 1T-parameter layout costs nothing.
 
 The estimator builds :class:`Layout` itself, never a ``ParallelismConfig``: that refuses
-``pp_size > 1`` until pipeline parallel lands, and the plan prices layouts (ZeRO with tp,
-pipelines) the training code may not run yet.
+ZeRO with tp or pp, and the plan prices layouts the training code may not run yet.
 """
 
 from __future__ import annotations

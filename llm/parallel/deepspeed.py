@@ -105,6 +105,7 @@ class DeepSpeedStrategy:
     # build_strategy hands it the whole run config: the engine is built in wrap() and needs
     # the batch sizes, clipping, optimizer and loss-scaler settings up front.
     needs_run_config = True
+    schedule = None  # the Trainer runs the micro-batches (pipeline parallel is refused)
 
     def __init__(
         self,

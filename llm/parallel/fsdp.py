@@ -52,6 +52,7 @@ from llm.errors import ConfigError
 from llm.models import WeightSource
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
 from llm.parallel.param_norms import summed_norms
+from llm.parallel.pipeline import PipelinePart, part_weights
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
 
@@ -96,7 +97,7 @@ class FSDPStrategy(SingleStrategy):
 
     def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
         layers = getattr(model, "layers", None)
-        if not isinstance(layers, nn.ModuleList):
+        if not isinstance(layers, nn.ModuleList | nn.ModuleDict):
             raise ConfigError(
                 f"parallelism=fsdp wraps each block of model.layers (an nn.ModuleList); "
                 f"{type(model).__name__} has none, use parallelism=ddp"
@@ -107,27 +108,36 @@ class FSDPStrategy(SingleStrategy):
             "mp_policy": self._mixed_precision(),
             "offload_policy": self._offload(),
         }
-        blocks = list(layers)
-        for block in blocks:
-            fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, **shard)
-        # The root (embeddings, final norm, output) is the last to run forward and the first
-        # in backward: resharding it in between would only gather it again at once.
-        fully_shard(model, reshard_after_forward=False, **shard)
+        # The roots: the model, or under pipeline parallel each of this rank's stages (the
+        # modules a schedule runs, each with its blocks).
+        roots = model.stages() if isinstance(model, PipelinePart) else [model]
+        for root in roots:
+            blocks = _blocks(root)
+            for block in blocks:
+                fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, **shard)
+            # The root (embeddings, final norm, output) is the last to run forward and the
+            # first in backward: resharding it in between would only gather it again at once.
+            fully_shard(root, reshard_after_forward=False, **shard)
+            if self.cfg.prefetch:
+                _prefetch_neighbours(root, blocks)
         if weights is not None:
-            self._materialize_shards(model, weights)
-        if self.cfg.prefetch:
-            _prefetch_neighbours(model, blocks)
+            self._materialize_shards(model, roots, part_weights(model, weights))
         if self.cfg.count_comm:
-            count_fsdp_collectives(model, self.counter, hsdp=self.cfg.replicate > 1)
+            for root in roots:
+                count_fsdp_collectives(root, self.counter, hsdp=self.cfg.replicate > 1)
         self.model = model
+        self._attach_pipeline(model)
         return model
 
     @torch.no_grad()
-    def _materialize_shards(self, model: nn.Module, weights: WeightSource) -> None:
+    def _materialize_shards(
+        self, model: nn.Module, roots: list[nn.Module], weights: WeightSource
+    ) -> None:
         """Allocate the sharded model (each rank only its shards) and fill every local
         shard from the rows it covers; nothing unsharded is ever allocated."""
-        # With parameter offload FSDP2 keeps the shards in host memory.
-        model.to_empty(device="cpu" if self.cfg.offload_params else self.device)
+        for root in roots:  # each FSDP root re-registers its shards after to_empty
+            # With parameter offload FSDP2 keeps the shards in host memory.
+            root.to_empty(device="cpu" if self.cfg.offload_params else self.device)
         for name, param in model.named_parameters():
             local = param.to_local()
             if local.numel():
@@ -158,6 +168,11 @@ class FSDPStrategy(SingleStrategy):
 
     def comm(self) -> dict[str, int]:
         return self.counter.take() | self.tp_comm()
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    layers = module.layers
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 
 def _local_region(param: DTensor) -> list[tuple[int, int]]:

@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from llm.errors import ConfigError
 
 # Outermost first, tp innermost (torchtitan's order): tensor-parallel peers are neighbouring
-# ranks, r = (pp_rank * dp + dp_rank) * tp + tp_rank. pp keeps its slot; its size is 1 today.
+# ranks, r = (pp_rank * dp + dp_rank) * tp + tp_rank. Pipeline stages are the outermost
+# (on a cluster: across nodes, where only one activation per micro-batch crosses).
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
@@ -64,6 +65,22 @@ class ParallelDims:
         return self.rank % self.tp_size
 
     @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.dp_size * self.tp_size)
+
+    @property
+    def batch_copies(self) -> int:
+        """Ranks that read each dp rank's batch: its tensor-parallel peers on every pipeline
+        stage (all of them count its target tokens)."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def loss_copies(self) -> int:
+        """Ranks that hold each dp rank's loss: the tensor-parallel peers of the last pipeline
+        stage (the other stages hold none)."""
+        return self.tp_size
+
+    @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
@@ -85,6 +102,13 @@ class ParallelDims:
 
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh["tp"]
+
+    def pp_mesh(self) -> DeviceMesh:
+        return self.mesh["pp"]
+
+    def pp_group(self) -> dist.ProcessGroup:
+        """This rank's pipeline: the stages holding the same (dp, tp) coordinate."""
+        return self.pp_mesh().get_group()
 
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel process group: the world while tp = pp = 1 (no sub-mesh is

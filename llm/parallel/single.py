@@ -14,6 +14,7 @@ from llm.config import OptimizerConfig
 from llm.memory import module_state_tensors, state_bytes
 from llm.models import WeightSource, materialize_from
 from llm.optim import GradientPass, build_optimizer, wrap_optimizer
+from llm.parallel.pipeline import part_weights
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
 from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
 from llm.parallel.tensor_parallel import align_grads, local_tensor, tp_copies
@@ -38,7 +39,8 @@ class SingleStrategy(StrategyBase):
         parallel copies (norms and row-parallel biases repeat on every tp rank); divides
         each gradient's share of the summed norm."""
         tp = self.dims.tp_size
-        return [self.dp_replicas * tp_copies(p, tp) for p in self._params_with_grads()]
+        pp = self.schedule.grad_copies if self.schedule is not None else lambda _: 1
+        return [self.dp_replicas * tp_copies(p, tp) * pp(p) for p in self._params_with_grads()]
 
     def _params_with_grads(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.grad is not None]
@@ -62,8 +64,9 @@ class SingleStrategy(StrategyBase):
     # ---- the protocol -----------------------------------------------------------------
     def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
         if weights is not None:
-            materialize_from(model, weights, self.device)
+            materialize_from(model, part_weights(model, weights), self.device)
         self.model = model
+        self._attach_pipeline(model)
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -82,6 +85,8 @@ class SingleStrategy(StrategyBase):
 
     def clip_and_step(self, max_norm: float) -> StepResult:
         align_grads(self.model)
+        if self.schedule is not None:
+            self.schedule.sum_tied_grads()
         return overflow_checked_step(
             self.local_grads(),
             max_norm,
@@ -109,14 +114,19 @@ class SingleStrategy(StrategyBase):
         # get_state_dict strips wrapper prefixes (DDP's "module.") and keys the optimizer
         # state by parameter name, so checkpoints move between strategies and world sizes.
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if self.schedule is not None:
+            optim_sd = self.schedule.checkpoint_names(optim_sd, whole=True)
         return {"model": model_sd, "optimizer": optim_sd, "loss_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        optim_sd = state["optimizer"]
+        if self.schedule is not None:
+            optim_sd = self.schedule.checkpoint_names(optim_sd, whole=False)
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
+            optim_state_dict=optim_sd,
         )
         self.scaler.load_state_dict(state["loss_scaler"])
 

@@ -15,6 +15,11 @@ already materialised and the strategy takes its values as they are.
 
 Convention: gradients are AVERAGED over data-parallel ranks (as DDP does), so the Trainer
 scales each rank's summed loss by dp_size / (target tokens in the global batch).
+
+``schedule``: None when the Trainer runs the micro-batches itself (forward and backward
+inside ``micro_batch`` and ``loss_context``); under pipeline parallel, the object that runs
+all of a step's micro-batches through the pipeline (``forward_backward(batches, scale,
+loss_fn, forward_context) -> loss sum``, and ``evaluate``), llm/parallel/pipeline.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from llm.optim import (
 )
 from llm.parallel.comm_counter import MeshCommCounter
 from llm.parallel.mesh import MESH_DIMS, ParallelDims
+from llm.parallel.pipeline import Pipeline, PipelinePart
 from llm.parallel.step import StepResult
 from llm.parallel.tensor_parallel import loss_parallel
 from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
@@ -50,6 +56,7 @@ from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 class Strategy(Protocol):
     name: str
     dims: ParallelDims
+    schedule: Pipeline | None
 
     def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module: ...
 
@@ -100,6 +107,20 @@ class StrategyBase:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._mesh_counter: MeshCommCounter | None = None
+        self.schedule: Pipeline | None = None
+
+    def _attach_pipeline(self, model: nn.Module) -> None:
+        """Under pipeline parallel (``model`` is this rank's PipelinePart, materialised and
+        sharded), build the schedule that will run its stages."""
+        if isinstance(model, PipelinePart):
+            self.schedule = Pipeline(
+                model,
+                self.dims,
+                self.cfg.microbatches,
+                self.device,
+                self.scaler,
+                self.cfg.count_comm,
+            )
 
     def loss_context(self, training: bool = True) -> AbstractContextManager:
         """Where the forward, the loss and (``training``) the backward run: under tensor
@@ -116,8 +137,11 @@ class StrategyBase:
         return stack
 
     def tp_comm(self) -> dict[str, int]:
-        """Bytes of the DTensor collectives counted since the last call (tensor parallel)."""
-        return {} if self._mesh_counter is None else self._mesh_counter.take()
+        """Bytes of the DTensor collectives counted since the last call (tensor parallel),
+        and of the sends between pipeline stages (``pp.send_activations``,
+        ``pp.send_gradients``)."""
+        counted = {} if self._mesh_counter is None else self._mesh_counter.take()
+        return counted | ({} if self.schedule is None else self.schedule.take_comm())
 
     def gradient_pass(self, step: int) -> GradientPass | None:
         """The optimizer's extra gradient pass when step ``step`` (1-based) needs it, else

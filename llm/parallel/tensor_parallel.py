@@ -121,13 +121,14 @@ def _root_plan(model: nn.Module, sp: bool) -> dict:
     }
     if sp:
         plan["norm"] = SequenceParallel()
-        if hasattr(model, "pos_embeddings"):
-            # The replicated (T, d) or (B, T, d) position rows, cut to this rank's sequence
-            # shard (dim -2 in both); backward all-gathers its gradient, equal on every rank.
-            plan["pos_embeddings"] = PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Shard(-2)
-            )
-    return plan
+        # The replicated (T, d) or (B, T, d) position rows, cut to this rank's sequence
+        # shard (dim -2 in both); backward all-gathers its gradient, equal on every rank.
+        plan["pos_embeddings"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(-2)
+        )
+    # Only the modules the model has: llama has no position table, and a pipeline stage's
+    # part holds some of them only.
+    return {name: style for name, style in plan.items() if hasattr(model, name)}
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
@@ -136,7 +137,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     tp = mesh.size()
     sp = sequence_parallel
     parallelize_module(model, mesh, _root_plan(model, sp))
-    for block in model.layers:
+    layers = model.layers
+    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(block, mesh, _block_plan(model.args.family, sp))
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp

@@ -89,10 +89,11 @@ class OpSAC(NoRecompute):
     def apply(self, model: nn.Module) -> nn.Module:
         layers = blocks(model, "op_sac")
         every_other = self.save_every_other_mm
-        for i, block in enumerate(layers):
-            layers[i] = checkpoint_wrapper(
+        for key, block in list(layers.named_children()):
+            wrapped = checkpoint_wrapper(
                 block,
                 checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                 context_fn=lambda: _contexts(every_other),
             )
+            setattr(layers, key, wrapped)
         return model

@@ -50,10 +50,12 @@ class NoRecompute:
         return contextlib.nullcontext()
 
 
-def blocks(model: nn.Module, policy: str) -> nn.ModuleList:
-    """The model's transformer blocks, or one line saying the policy needs them."""
+def blocks(model: nn.Module, policy: str) -> nn.ModuleList | nn.ModuleDict:
+    """The model's transformer blocks, or one line saying the policy needs them: a
+    ModuleList, or a pipeline stage's ModuleDict keyed by the blocks' indices in the whole
+    model. Either is indexed by ``str(index)`` for setattr."""
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if not isinstance(layers, nn.ModuleList | nn.ModuleDict):
         raise ConfigError(
             f"recompute={policy} needs a model with .layers (an nn.ModuleList of blocks); "
             f"{type(model).__name__} has none, use recompute=none"
@@ -73,9 +75,10 @@ class FullRecompute(NoRecompute):
 
     def apply(self, model: nn.Module) -> nn.Module:
         layers = blocks(model, "full")
-        for i, block in enumerate(layers):
-            if (i + 1) % self.every == 0:
-                layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        for key, block in list(layers.named_children()):
+            if (int(key) + 1) % self.every == 0:  # the block's index in the whole model
+                wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                setattr(layers, key, wrapped)
         return model
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +60,14 @@ def _activation_metrics(counter: ActivationMemoryCounter) -> dict:
         "activation_bytes_per_layer": per_layer,
         "activation_bytes_outside_layers": counter.by_layer[OUTSIDE],
     }
+
+
+def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed token cross-entropy of (B, T, V) logits, in fp32; padding is ignored."""
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+    return local_loss(loss)  # tensor parallel: a DTensor, equal on every tp rank
 
 
 def _perplexity(loss: float) -> float:
@@ -127,9 +135,11 @@ class Trainer:
         self.state = TrainState()
         self.model_state_bytes: dict[str, int] = {}
         self.dp_size = strategy.dims.dp_size
-        # Ranks that see each dp rank's batch (its tensor-parallel peers): world-wide sums of
-        # token counts and losses count every batch this many times.
-        self.batch_copies = strategy.dims.world_size // self.dp_size
+        # Ranks that read each dp rank's batch (its tensor-parallel and pipeline peers), and
+        # ranks that hold its loss (the last pipeline stage's tensor-parallel peers):
+        # world-wide sums of token counts and of losses count every batch this many times.
+        self.batch_copies = strategy.dims.batch_copies
+        self.loss_copies = strategy.dims.loss_copies
         self._pending: list[_StepOnDevice] = []
         # llm.run hands over the tracker that measured start-up, so the run has one.
         self.tracker = tracker or PeakTracker(device, cfg.train.memory_tracking)
@@ -177,10 +187,18 @@ class Trainer:
             self.logger.info(f"saved checkpoint {path}")
 
     # ---- one step ---------------------------------------------------------------------
+    def _forward_context(self) -> AbstractContextManager:
+        """What every training forward runs in: the recompute policy's context and the
+        precision's autocast."""
+        stack = ExitStack()
+        stack.enter_context(self.recompute.forward_context())
+        stack.enter_context(self.strategy.precision.autocast(self.device))
+        return stack
+
     def _logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         """(B, T, V) under the precision's autocast; with ``doc_ids`` (attention.document_mask)
         attention stays inside packed documents."""
-        with self.recompute.forward_context(), self.strategy.precision.autocast(self.device):
+        with self._forward_context():
             if doc_ids is None:
                 return self.model(input_ids)
             return self.model(input_ids, doc_ids=doc_ids)
@@ -188,11 +206,7 @@ class Trainer:
     def _loss_sum(
         self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> torch.Tensor:
-        logits = self._logits(input_ids, doc_ids)
-        loss = F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
-        )
-        return local_loss(loss)  # tensor parallel: a DTensor, equal on every tp rank
+        return _cross_entropy_sum(self._logits(input_ids, doc_ids), targets)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -238,9 +252,25 @@ class Trainer:
         self, batches: list, scale: torch.Tensor, count: bool
     ) -> tuple[torch.Tensor, StepResult]:
         """Forward and backward of every micro-batch, then the optimizer step, each a phase
-        of the peak tracker; with ``count``, what the first micro-batch's forward keeps for
-        backward is counted (``self.activations``). Returns (the summed loss, the strategy's
-        step result)."""
+        of the peak tracker. The strategy's schedule runs the micro-batches when it has one
+        (a pipeline: forward and backward interleave, one phase); else this loop, where with
+        ``count`` what the first micro-batch's forward keeps for backward is counted
+        (``self.activations``). Returns (the summed loss, the strategy's step result)."""
+        schedule = self.strategy.schedule
+        if schedule is not None:
+            self.tracker.phase("forward_backward")
+            with self.strategy.loss_context():
+                loss_sum = schedule.forward_backward(
+                    batches, scale, _cross_entropy_sum, self._forward_context
+                )
+        else:
+            loss_sum = self._micro_batches(batches, scale, count)
+        self.tracker.phase("optimizer_step")
+        result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
+        self.scheduler.step()
+        return loss_sum, result
+
+    def _micro_batches(self, batches: list, scale: torch.Tensor, count: bool) -> torch.Tensor:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y, docs) in enumerate(batches):
             with (
@@ -258,10 +288,7 @@ class Trainer:
                 self.strategy.backward(scaled)
             # The micro-batch's exit (a strategy's end-of-backward reduction) is backward too.
             loss_sum += loss.detach()  # no .item(): a host sync per micro-batch stalls a GPU
-        self.tracker.phase("optimizer_step")
-        result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
-        self.scheduler.step()
-        return loss_sum, result
+        return loss_sum
 
     def _counter(self, on: bool) -> AbstractContextManager:
         """Saved-tensor hooks cost time at every op: only on the steps that are logged."""
@@ -291,7 +318,7 @@ class Trainer:
         pending, self._pending = self._pending, []
         if not pending:
             return False, None
-        losses = _all_reduce_sum([p.loss_sum for p in pending], self.device) / self.batch_copies
+        losses = _all_reduce_sum([p.loss_sum for p in pending], self.device) / self.loss_copies
         rows = [
             torch.stack([p.tokens, p.stop_votes, _on_device(p.result.grad_norm, self.device)])
             for p in pending
@@ -324,14 +351,19 @@ class Trainer:
         self.model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        schedule = self.strategy.schedule
         for batch in self.val_loader:
-            x, y, docs = self._batch_to(batch, lambda t: t.to(self.device))
+            batch = self._batch_to(batch, lambda t: t.to(self.device))
+            x, y, docs = batch
             with self.strategy.loss_context(training=False):
-                loss_sum += self._loss_sum(x, y, docs)
+                if schedule is not None:
+                    loss_sum += schedule.evaluate(batch, _cross_entropy_sum, self._forward_context)
+                else:
+                    loss_sum += self._loss_sum(x, y, docs)
             tokens += (y != IGNORE).sum()
         self.model.train()
         loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], self.device).tolist()
-        return loss_sum / max(tokens, 1.0)
+        return (loss_sum / self.loss_copies) / max(tokens / self.batch_copies, 1.0)
 
     # ---- the loop ---------------------------------------------------------------------
     def fit(self) -> dict:

@@ -1,0 +1,243 @@
+"""Pipeline schedules measured against the formulas: the bubble, the activations a stage
+holds, the bytes sent across a stage boundary.
+
+Per schedule and micro-batch count m, ``--pp`` CPU ranks (gloo) run a model split by
+llm.parallel.pipeline exactly as the Trainer runs it (strategy ``single``, its
+``schedule.forward_backward``), with a fixed batch of ``--batch`` sequences split into m
+micro-batches of b = batch / m. Per stage:
+
+- idle: 1 - (time inside the stage's forward and backward chunks) / step time, the median
+  over ``--steps`` timed steps (after ``--warmup``), beside the bubble (p-1)/(m+p-1) of
+  GPipe and 1F1B. Measured on shared CPU cores: the stages' compute must dominate, hence
+  the defaults (d 256, 4 blocks, a byte vocabulary), and noise is expected.
+- in flight: the most micro-batches whose forward ran and backward did not, beside
+  GPipe's m and 1F1B's min(m, p - stage); activations: the peak of live activation bytes
+  in one tracked step (llm.memory.PeakTracker, at the step's peak), beside in flight x the
+  bytes one micro-batch's forward keeps on that stage (llm.memory.ActivationMemoryCounter).
+- sent: bytes per step of the stage-to-stage sends (forward activations and backward
+  gradients; ``parallelism.count_comm``'s ``pp.send_*``), beside 2 x m x b x s x h x 4 (one (b, s, h) fp32 tensor each way
+  per micro-batch; the last stage sends gradients only, the first activations only).
+
+    python benchmarks/pipeline.py                        # pp 2, m 2,4,8, gpipe and 1f1b
+    python benchmarks/pipeline.py --pp 4 --layers 8 --microbatches 4,8,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llm.config import ParallelismConfig
+from llm.launch import free_port
+from llm.memory import ActivationMemoryCounter, PeakTracker, module_state_tensors
+from llm.models import InitSource, build_model, model_args
+from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.pipeline import PipelineLayout, PipelinePart
+from llm.precision import resolve_precision
+
+MiB = 2**20
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+class _StageProbe:
+    """Wraps a PipelineStage's forward and backward chunks: busy time and micro-batches in
+    flight."""
+
+    def __init__(self, stage) -> None:
+        self.busy = 0.0
+        self.in_flight = self.max_in_flight = 0
+        for name, delta in (
+            ("forward_one_chunk", 1),
+            ("backward_one_chunk", -1),
+            ("backward_weight_one_chunk", 0),
+        ):
+            setattr(stage, name, self._timed(getattr(stage, name), delta))
+
+    def _timed(self, fn, delta: int):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.busy += time.perf_counter() - start
+            self.in_flight += delta
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            return out
+
+        return run
+
+
+def _rank(rank: int, world: int, port: int, opts: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for schedule in opts.schedules.split(","):
+            for m in map(int, opts.microbatches.split(",")):
+                row = _measure(rank, world, opts, schedule, m)
+                rows = [None] * world
+                dist.all_gather_object(rows, row)
+                if rank == 0:
+                    queue.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, opts, schedule: str, m: int) -> dict:
+    device = torch.device("cpu")
+    args = dataclasses.replace(
+        model_args(opts.model),
+        d_model=opts.d_model,
+        d_ff=4 * opts.d_model,
+        n_heads=opts.d_model // 64,
+        n_kv_heads=opts.d_model // 64,
+        n_layers=opts.layers,
+        vocab_size=256,
+        max_seq_len=opts.seq_len,
+    )
+    cfg = ParallelismConfig(pp_size=world, pp_schedule=schedule, pp_microbatches=m, count_comm=True)
+    dims = ParallelDims.from_config(1, 1, world, world, rank)
+    part = PipelinePart(build_model(args), PipelineLayout.from_config(cfg, args.n_layers), rank)
+    strategy = build_strategy(cfg, dims, resolve_precision("fp32", device), device)
+    strategy.wrap(part, InitSource(args, seed=0))
+    pipeline = strategy.schedule
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (opts.batch, opts.seq_len + 1), generator=gen)
+    batch = [(ids[:, :-1], ids[:, 1:], None)]
+    scale = torch.tensor(1.0 / ids[:, 1:].numel())
+
+    def step() -> None:
+        pipeline.forward_backward(batch, scale, _loss, contextlib.nullcontext)
+        part.zero_grad(set_to_none=True)
+
+    for _ in range(opts.warmup):
+        step()
+    (stage,) = pipeline.stages
+    probe = _StageProbe(stage)
+    idle, sent = [], []
+    for _ in range(opts.steps):
+        probe.busy = 0.0
+        strategy.comm()  # what earlier steps sent
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        wall = time.perf_counter() - start
+        idle.append(1 - probe.busy / wall)
+        sent.append(sum(strategy.comm().values()))
+    tracker = PeakTracker(device, "every_step")
+    tracker.watch(lambda: module_state_tensors(part))
+    with tracker.step(tracked=True):
+        step()
+    return {
+        "schedule": schedule,
+        "m": m,
+        "stage": stage.stage_index,
+        "idle": statistics.median(idle),
+        "in_flight": probe.max_in_flight,
+        "activations": tracker.last_step["activations"],
+        "per_microbatch": _one_microbatch(part, stage, opts, m, args.d_model),
+        "sent": statistics.median(sent),
+        "b": opts.batch // m,
+    }
+
+
+def _one_microbatch(part: PipelinePart, stage, opts, m: int, d: int) -> int:
+    """Bytes one micro-batch's forward keeps for backward on this stage (the last stage's
+    loss included: its log-softmax is kept too)."""
+    b = opts.batch // m
+    module = part.stages()[0]
+    x = (
+        torch.randint(0, 256, (b, opts.seq_len))
+        if stage.is_first
+        else torch.randn(b, opts.seq_len, d, requires_grad=True)
+    )
+    with ActivationMemoryCounter() as counter:
+        out = module(x)
+        if stage.is_last:
+            out = _loss(out, torch.zeros(out.shape[:2], dtype=torch.long))
+    del out
+    return counter.activation_bytes  # parameters the matmuls save are not counted
+
+
+def expected(row: dict, p: int, seq_len: int, d: int) -> dict:
+    """The formulas for one stage's row: bubble, micro-batches in flight, bytes sent."""
+    m, s = row["m"], row["stage"]
+    directions = (s < p - 1) + (s > 0)  # activations forward, gradients backward
+    return {
+        "bubble": (p - 1) / (m + p - 1),
+        "in_flight": m if row["schedule"] == "gpipe" else min(m, p - s),
+        "sent": directions * m * row["b"] * seq_len * d * 4,
+    }
+
+
+def _table(all_rows: list[list[dict]], p: int, seq_len: int, d: int) -> str:
+    head = (
+        "| schedule | m | stage | idle | (p-1)/(m+p-1) | in flight | formula | activations MiB "
+        "| in flight x one micro-batch MiB | sent MiB | formula MiB |"
+    )
+    lines = [head, "|" + " --- |" * 11]
+    for rows in all_rows:
+        for r in rows:
+            f = expected(r, p, seq_len, d)
+            lines.append(
+                f"| {r['schedule']} | {r['m']} | {r['stage']} | {r['idle']:.2f} "
+                f"| {f['bubble']:.2f} | {r['in_flight']} | {f['in_flight']} "
+                f"| {r['activations'] / MiB:.2f} | {f['in_flight'] * r['per_microbatch'] / MiB:.2f} "
+                f"| {r['sent'] / MiB:.2f} | {f['sent'] / MiB:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--schedules", default="gpipe,1f1b")
+    parser.add_argument("--microbatches", default="2,4,8")
+    parser.add_argument("--model", default="gpt2-tiny", help="family and init; sizes below")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def measure(opts: argparse.Namespace) -> list[list[dict]]:
+    """One list of per-stage rows per (schedule, m), from ``--pp`` spawned ranks."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank, args=(r, opts.pp, port, opts, queue)) for r in range(opts.pp)
+    ]
+    for proc in procs:
+        proc.start()
+    n_rows = len(opts.schedules.split(",")) * len(opts.microbatches.split(","))
+    results = [queue.get() for _ in range(n_rows)]
+    for proc in procs:
+        proc.join()
+    return results
+
+
+def main() -> None:
+    opts = parse()
+    print(_table(measure(opts), opts.pp, opts.seq_len, opts.d_model))
+
+
+if __name__ == "__main__":
+    main()
