@@ -1,4 +1,4 @@
-"""Starting ranks. The one module that reads the environment (DESIGN.md): it finds out whether
+"""Starting ranks. The one module that reads the environment (docs/design.md): it finds out whether
 torchrun, Slurm or the deepspeed launcher already started this process as one rank, and
 otherwise spawns ``launcher.nproc_per_node`` local ranks itself.
 """
