@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import CONF, compose_config
 from hydra.errors import MissingConfigException
+from omegaconf import OmegaConf
 
 from llm.errors import ConfigError
 from llm.launch import external_rank_env, resolve_wandb_mode
@@ -17,6 +18,7 @@ from llm.validate import validate
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+LAYOUTS = sorted(p.stem for p in (CONF / "layout").glob("*.yaml"))
 BASE = ["output_dir=/tmp/unused"]
 # Attention backends that cannot train on CPU, and what their refusal says there.
 GPU_ATTENTION = {"flash_attn": "flash-attn package", "flex": "no backward", "triton": "triton"}
@@ -69,6 +71,22 @@ def test_every_option_composes(group, option, tmp_path):
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes(experiment):
     validate(compose_config([*BASE, f"experiment={experiment}"]))
+
+
+def test_parallel_layouts_sweep_every_layout():
+    sweep = OmegaConf.load(CONF / "experiment" / "parallel_layouts.yaml")
+    assert sorted(sweep.hydra.sweeper.params["layout"].split(",")) == LAYOUTS
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_of_four_ranks_is_accepted(layout):
+    """Each job of `python train.py -m experiment=parallel_layouts`, checked as train.py checks
+    it before ranks start; dp x tp x pp covers the 4 ranks."""
+    cfg = compose_config([*BASE, "experiment=parallel_layouts", f"layout={layout}"])
+    validate(cfg)
+    p = cfg.parallelism
+    assert p.dp_size * p.tp_size * p.pp_size == cfg.launcher.nproc_per_node == 4
+    assert p.name == layout.split("_")[0].replace("tp4", "single").replace("tp2", "single")
 
 
 @pytest.mark.parametrize(
