@@ -45,7 +45,7 @@ def _cases():
         reason = next((why for key, why in NEEDS.items() if key in command), None)
         if reason:
             marks.append(pytest.mark.skip(reason=reason))
-        if "-m" in args or _ranks(args) > 1:
+        if "-m" in args or _ranks(args) > 1 or any(a.startswith("layout=") for a in args):
             marks.append(pytest.mark.slow)  # several processes: keeps the file near 3 minutes
         yield pytest.param(args, marks=marks, id=command or "(defaults)")
 
