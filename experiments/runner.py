@@ -1,0 +1,136 @@
+"""Running an experiment: Hydra's multirun of ``conf/experiment/<config>.yaml`` in this
+process, through train.py's own task function, with one difference from
+``python train.py -m``: a job that fails is recorded (``error.txt`` in its folder) and the
+sweep goes on, so the report can mark it. (train.py ends a failed run with SystemExit, which
+Hydra's launcher does not catch: the remaining jobs would never run.)"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import itertools
+import sys
+from pathlib import Path
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.sweep import ERROR_FILE
+from llm.config import register_configs
+from llm.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+CONF = REPO / "conf"
+SCALES = ("small", "gpu")
+
+
+class JobFailed(Exception):
+    """A job of the sweep failed; Hydra records it and runs the next one."""
+
+
+def config_name(name: str, scale: str) -> str:
+    """The experiment config of a scale: ``<name>.yaml`` (small) or ``<name>_gpu.yaml``."""
+    if scale not in SCALES:
+        raise ConfigError(
+            f"scale={scale} is not one of {', '.join(SCALES)}; use scale=small or scale=gpu"
+        )
+    config = name if scale == "small" else f"{name}_gpu"
+    if not (CONF / "experiment" / f"{config}.yaml").exists():
+        raise ConfigError(
+            f"experiment {name} has no {scale} scale (conf/experiment/{config}.yaml); "
+            f"`python -m experiments list` shows what exists"
+        )
+    return config
+
+
+def _train_module():
+    # train.py is the entry script, not a package module: load it by path.
+    spec = importlib.util.spec_from_file_location("train", REPO / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Tee(io.TextIOBase):
+    """stderr as it was, plus a copy: train.py prints a failed run's one-line reason there."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.copy = stream, io.StringIO()
+
+    def write(self, s: str) -> int:
+        self.copy.write(s)
+        return self.stream.write(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()  # faulthandler (torchrun's error handler) writes there
+
+
+def _reason(stderr: str, fallback: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.startswith(("error:", "stopped:"))]
+    return lines[-1] if lines else fallback
+
+
+def run_sweep(config: str, overrides: list[str]) -> Path | None:
+    """Run the sweep; returns its directory (None if Hydra stopped before making one)."""
+    train = _train_module()
+    state: dict = {}
+
+    @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
+    def job(cfg: DictConfig):
+        out = Path(HydraConfig.get().runtime.output_dir)
+        state["sweep_dir"] = Path(HydraConfig.get().sweep.dir)
+        tee = _Tee(sys.stderr)
+        try:
+            with contextlib.redirect_stderr(tee):
+                return train.main(cfg)  # Hydra's decorator passes a given cfg straight on
+        except SystemExit as exc:
+            if exc.code in (0, None):
+                return None
+            reason = _reason(tee.copy.getvalue(), f"exit status {exc.code}")
+        except Exception as exc:  # any failure is recorded; the sweep goes on
+            reason = f"{type(exc).__name__}: {exc}"
+        (out / ERROR_FILE).write_text(reason + "\n")
+        raise JobFailed(reason)
+
+    argv = sys.argv
+    sys.argv = ["experiments", "-m", f"experiment={config}", *overrides]
+    try:
+        job()
+    except SystemExit:
+        pass  # Hydra exits after the sweep when a job failed; the report marks it
+    finally:
+        sys.argv = argv
+    return state.get("sweep_dir")
+
+
+def sweep_jobs(config: str, overrides: list[str] = ()) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper expands ``hydra.sweeper.params``
+    (plus sweeps given on the command line): the cartesian product, in its order."""
+    register_configs()  # the schemas the option files extend
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", [f"experiment={config}", *overrides], return_hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params or {})
+    # A sweep on the command line replaces the config's sweep of the same key, as in Hydra.
+    params.update(o.split("=", 1) for o in overrides if "," in o)
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    axes = [
+        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+        if o.is_sweep_override()
+        else [f"{o.get_key_element()}={o.get_value_element_as_str()}"]
+        for o in parsed
+    ]
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def compose_job(config: str, job_overrides: list[str], extra: list[str] = ()) -> DictConfig:
+    """One job's composed config, as the multirun composes it (for dry runs)."""
+    register_configs()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", [f"experiment={config}", *extra, *job_overrides])
