@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from experiments.report import EXPERIMENTS, write_report
-from experiments.runner import CONF, SCALES, config_name, run_sweep
+from experiments.runner import config_name, run_sweep, scales_of
 from llm.errors import ConfigError
 
 
@@ -26,8 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.command == "list":
             for name in EXPERIMENTS:
-                have = [s for s in SCALES if _has(name, s)]
-                print(f"{name}: {', '.join(have) or 'no config'}")
+                print(f"{name}: {', '.join(scales_of(name)) or 'no config'}")
             return 0
         if a.command == "report":
             print(write_report(a.sweep_dir, log_wandb=not a.no_wandb))
@@ -52,10 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-
-def _has(name: str, scale: str) -> bool:
-    return (CONF / "experiment" / f"{name if scale == 'small' else name + '_gpu'}.yaml").exists()
 
 
 if __name__ == "__main__":

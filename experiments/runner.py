@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import itertools
 import sys
 from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
@@ -32,19 +32,26 @@ class JobFailed(Exception):
     """A job of the sweep failed; Hydra records it and runs the next one."""
 
 
-def config_name(name: str, scale: str) -> str:
+def config_file(name: str, scale: str) -> Path:
     """The experiment config of a scale: ``<name>.yaml`` (small) or ``<name>_gpu.yaml``."""
+    return CONF / "experiment" / f"{name if scale == 'small' else name + '_gpu'}.yaml"
+
+
+def scales_of(name: str) -> list[str]:
+    return [s for s in SCALES if config_file(name, s).exists()]
+
+
+def config_name(name: str, scale: str) -> str:
     if scale not in SCALES:
         raise ConfigError(
             f"scale={scale} is not one of {', '.join(SCALES)}; use scale=small or scale=gpu"
         )
-    config = name if scale == "small" else f"{name}_gpu"
-    if not (CONF / "experiment" / f"{config}.yaml").exists():
+    if scale not in scales_of(name):
         raise ConfigError(
-            f"experiment {name} has no {scale} scale (conf/experiment/{config}.yaml); "
-            f"`python -m experiments list` shows what exists"
+            f"experiment {name} has no {scale} scale ({config_file(name, scale)}); "
+            "`python -m experiments list` shows what exists"
         )
-    return config
+    return config_file(name, scale).stem
 
 
 def _train_module():
@@ -111,26 +118,26 @@ def run_sweep(config: str, overrides: list[str]) -> Path | None:
 
 
 def sweep_jobs(config: str, overrides: list[str] = ()) -> list[list[str]]:
-    """Each job's overrides, as Hydra's basic sweeper expands ``hydra.sweeper.params``
-    (plus sweeps given on the command line): the cartesian product, in its order."""
+    """Each job's overrides, as Hydra's basic sweeper expands ``hydra.sweeper.params`` and
+    the command line's overrides (a key given on the command line replaces the config's)."""
     register_configs()  # the schemas the option files extend
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", [f"experiment={config}", *overrides], return_hydra_config=True)
+        cfg = compose("config", [f"experiment={config}"], return_hydra_config=True)
     params = OmegaConf.to_container(cfg.hydra.sweeper.params or {})
-    # A sweep on the command line replaces the config's sweep of the same key, as in Hydra.
-    params.update(o.split("=", 1) for o in overrides if "," in o)
-    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
-    axes = [
-        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-        if o.is_sweep_override()
-        else [f"{o.get_key_element()}={o.get_value_element_as_str()}"]
-        for o in parsed
-    ]
-    return [list(combo) for combo in itertools.product(*axes)]
+    parsed = OverridesParser.create().parse_overrides(
+        [f"{k}={v}" for k, v in params.items()] + list(overrides)
+    )
+    return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
 
 
-def compose_job(config: str, job_overrides: list[str], extra: list[str] = ()) -> DictConfig:
-    """One job's composed config, as the multirun composes it (for dry runs)."""
+def compose_jobs(
+    config: str, jobs: list[list[str]], output_dir: str = "/tmp/experiments-dry-run"
+) -> list[DictConfig]:
+    """Each job's composed config, as the multirun composes it (dry runs; outside a Hydra
+    run, output_dir is given instead of Hydra's job directory)."""
     register_configs()
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("config", [f"experiment={config}", *extra, *job_overrides])
+        return [
+            compose("config", [f"experiment={config}", *job, f"output_dir={output_dir}"])
+            for job in jobs
+        ]

@@ -1,0 +1,321 @@
+"""experiments/: every experiment config composes and its jobs compose and validate (a dry
+run of its sweep); one real sweep of a one-step job beside a refused one; the reports of
+fixture sweep directories (summary.json and metrics.jsonl written here) give the expected
+tables and verdicts, failed jobs included."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from experiments.claims import DOES_NOT_HOLD, HOLDS, NOT_COMPARABLE, verdict
+from experiments.report import EXPERIMENTS, experiment_module, write_report
+from experiments.runner import SCALES, compose_jobs, config_name, run_sweep, scales_of, sweep_jobs
+from experiments.sweep import ERROR_FILE, load_jobs
+from llm.config import to_dataclass
+from llm.errors import ConfigError
+from llm.estimate.activations import layer_terms
+from llm.models.shapes import model_args
+from llm.precision import resolve_precision
+from llm.validate import validate
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_has_both_scales_and_its_jobs_compose(name):
+    assert scales_of(name) == list(SCALES)
+    for scale in SCALES:
+        config = config_name(name, scale)
+        jobs = sweep_jobs(config)
+        assert len(jobs) >= 2, f"{config} sweeps nothing"
+        assert len({tuple(j) for j in jobs}) == len(jobs)
+        for composed in compose_jobs(config, jobs):
+            cfg = to_dataclass(composed)
+            if scale == "small":
+                assert cfg.train.device in ("auto", "cpu")
+                validate(cfg)  # the checks train.py runs before any rank starts
+        assert experiment_module(config).CLAIMS
+
+
+def test_unknown_experiment_and_scale_are_one_line_errors():
+    with pytest.raises(ConfigError, match="scale=tpu"):
+        config_name("zero_memory", "tpu")
+    with pytest.raises(ConfigError, match="no experiment named nope"):
+        experiment_module("nope")
+
+
+def test_command_line_sweep_replaces_the_configs():
+    jobs = sweep_jobs("zero_memory", ["launcher.nproc_per_node=2,4", "parallelism=ddp,zero3"])
+    assert jobs == [
+        ["parallelism=ddp", "launcher.nproc_per_node=2"],
+        ["parallelism=ddp", "launcher.nproc_per_node=4"],
+        ["parallelism=zero3", "launcher.nproc_per_node=2"],
+        ["parallelism=zero3", "launcher.nproc_per_node=4"],
+    ]
+
+
+def test_verdict_bounds():
+    assert verdict(1.09, 1.0, 0.1) == HOLDS
+    assert verdict(1.11, 1.0, 0.1) == DOES_NOT_HOLD
+    assert verdict(0.3, (0.36, 0.39), 0.1) == DOES_NOT_HOLD
+    assert verdict(0.37, (0.36, 0.39), 0.0) == HOLDS
+
+
+def test_a_real_sweep_runs_records_a_failed_job_and_reports(tmp_path, text_corpus):
+    """One job trains one step; the other is refused before any rank starts (seq_len over
+    the model's maximum): the sweep goes on, error.txt names the reason, the report marks it."""
+    sweep_dir = tmp_path / "sweep"
+    got = run_sweep(
+        "grad_accumulation",
+        [
+            "train={micro_batch_size:2,grad_accum_steps:1}",
+            "data.seq_len=32,100000",
+            "train.max_steps=1",
+            "data.val_samples=2",
+            "data=files",
+            f"data.path={text_corpus}",
+            "logger=none",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+    )
+    assert got == sweep_dir
+    ok, refused = load_jobs(sweep_dir)
+    assert not ok.failed and ok.summary["steps"] == 1
+    assert refused.failed
+    assert "seq_len=100000" in (refused.dir / ERROR_FILE).read_text()
+    report = write_report(sweep_dir).read_text()
+    assert "FAILED: error: data.seq_len=100000" in report
+    assert (sweep_dir / "grad_accumulation.png").stat().st_size > 0
+
+
+# ---- fixture sweeps -------------------------------------------------------------------
+def _sweep(tmp_path: Path, experiment: str) -> Path:
+    sweep = tmp_path / experiment
+    sweep.mkdir()
+    multirun = {"hydra": {"runtime": {"choices": {"experiment": experiment}}}}
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump(multirun))
+    return sweep
+
+
+def _job(sweep: Path, num: int, overrides, config, summary=None, metrics=(), error=None):
+    d = sweep / str(num)
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
+    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    if summary is not None:
+        (d / "summary.json").write_text(json.dumps(summary))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    if error:
+        (d / ERROR_FILE).write_text(error + "\n")
+
+
+def _rows(tables, title):
+    return next(t for t in tables if t.title == title).rows
+
+
+PHI = 1000
+
+
+def _zero_summary(params, grads, states, comm):
+    peak = {"params": params, "grads": grads, "optimizer_states": states, "phase": "backward"}
+    return {
+        "n_params": PHI,
+        "precision": "bf16",
+        "device": "cpu",
+        "memory_peak": [peak],
+        "model_state_bytes": [{"params": params, "grads": grads, "optimizer_states": states}],
+        "comm_bytes_per_step": [comm],
+        "final_train_loss": 5.0,
+        "hardware": {"cpu": "test", "cpu_count": 2},
+    }
+
+
+def test_zero_memory_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "zero_memory")
+
+    def cfg(name, n, stage=0):
+        return {
+            "parallelism": {"name": name, "zero_stage": stage},
+            "launcher": {"nproc_per_node": n},
+        }
+
+    # ddp, N=2: fp32 params and grads + AdamW = 16Φ; all-reduce of Φ fp32 elements = 2Φ.
+    _job(
+        sweep,
+        0,
+        ["parallelism=ddp", "launcher.nproc_per_node=2"],
+        cfg("ddp", 2),
+        _zero_summary(4 * PHI, 4 * PHI, 8 * PHI, {"all_reduce": 4 * PHI}),
+    )
+    # zero3 at N=2 holding 16Φ, as if nothing were partitioned: 16Φ/N = 8Φ does not hold.
+    _job(
+        sweep,
+        1,
+        ["parallelism=zero3", "launcher.nproc_per_node=2"],
+        cfg("zero3", 2),
+        _zero_summary(
+            2 * PHI, 2 * PHI, 12 * PHI, {"all_gather": 4 * PHI, "reduce_scatter": 4 * PHI}
+        ),
+    )
+    _job(
+        sweep,
+        2,
+        ["parallelism=deepspeed2", "launcher.nproc_per_node=2"],
+        cfg("deepspeed", 2, 2),
+        error="error: the rank died",
+    )
+    tables = experiment_module("zero_memory").report(load_jobs(sweep))
+    memory = _rows(tables, "Model states per rank at the peak")
+    assert [r[-1] for r in memory[:2]] == [HOLDS, DOES_NOT_HOLD]
+    assert memory[1][2:5] == ("16Φ", "8Φ", "2.00")
+    assert memory[2][-1].startswith(NOT_COMPARABLE) and "failed" in memory[2][-1]
+    assert "stage 2" in memory[2][1]  # deepspeed's stage read from parallelism.zero_stage
+    comm = _rows(tables, "Communication per step")
+    # ddp: 4Φ bytes of fp32 all-reduce = Φ elements, counted twice: 2Φ.
+    assert comm[0][2:4] == ("2Φ", "2Φ") and comm[0][-1] == HOLDS
+    # zero3: bf16 all-gather Φ·4 bytes = 2Φ elements + fp32 reduce-scatter Φ = 3Φ.
+    assert comm[1][2:4] == ("3Φ", "3Φ") and comm[1][-1] == HOLDS
+    figure1 = _rows(tables, "Figure 1: 7.5B parameters on 64 ranks")
+    assert [r[-1] for r in figure1] == [HOLDS] * 4
+
+    report = write_report(sweep, log_wandb=False).read_text()
+    assert "FAILED: error: the rank died" in report
+    assert "| stage3_memory | zero3, N=2 (stage 3) | 16Φ | 8Φ | 2.00 | does not hold |" in report
+    assert (sweep / "zero_memory.png").stat().st_size > 0
+
+
+def test_grad_accumulation_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "grad_accumulation")
+
+    def run(k, losses, grads=4 * PHI):
+        cfg = {"train": {"grad_accum_steps": k, "micro_batch_size": 8 // k}}
+        summary = {"model_state_bytes": [{"grads": grads}], "final_train_loss": losses[-1]}
+        metrics = [{"step": s + 1, "loss": v} for s, v in enumerate(losses)]
+        return cfg, summary, metrics
+
+    base = [5.0, 4.5, 4.0]
+    _job(sweep, 0, ["train={k:1}"], *run(1, base))
+    _job(sweep, 1, ["train={k:2}"], *run(2, [v * (1 + 1e-5) for v in base]))
+    _job(sweep, 2, ["train={k:4}"], *run(4, [5.0, 4.5, 4.04], grads=8 * PHI))
+    _job(sweep, 3, ["train={k:8}"], {"train": {"grad_accum_steps": 8, "micro_batch_size": 1}})
+    tables = experiment_module("grad_accumulation").report(load_jobs(sweep))
+    loss = _rows(tables, "Loss curves against one large batch")
+    assert [r[-1] for r in loss[:2]] == [HOLDS, DOES_NOT_HOLD]
+    assert loss[1][2] == "1.01"  # the step furthest from the k=1 curve
+    assert loss[2][-1].startswith(NOT_COMPARABLE)
+    memory = _rows(tables, "Gradient memory against k")
+    assert [r[-1] for r in memory[:2]] == [HOLDS, DOES_NOT_HOLD]
+    counter = _rows(tables, "Counter-example: the per-micro-batch mean")
+    # per k: ours (per token over the whole batch) holds, the mean of means does not
+    assert [r[-1] for r in counter] == [HOLDS, DOES_NOT_HOLD] * 3
+
+
+def test_activation_recompute_report_on_cpu(tmp_path):
+    sweep = _sweep(tmp_path, "activation_recompute")
+    s, b = 128, 4
+    args = model_args("gpt2-tiny", dropout=0.1)
+    prec = resolve_precision("bf16", torch.device("cpu"))
+
+    def run(policy, step_time, per_layer=None):
+        cfg = {
+            "recompute": {"name": policy},
+            "model": {"name": "gpt2-tiny", "dropout": 0.1},
+            "data": {"seq_len": s},
+            "train": {"micro_batch_size": b},
+            "precision": {"name": "bf16"},
+            "attention": {"backend": "eager"},
+        }
+        if per_layer is None:
+            per_layer = sum(
+                layer_terms(args, b, s, prec, backend="eager", recompute=policy).values()
+            )
+        summary = {"device": "cpu", "activation_bytes_per_layer": [per_layer, per_layer]}
+        metrics = [{"step": i, "step_time_s": step_time} for i in range(1, 6)]
+        return cfg, summary, metrics
+
+    h = args.d_model
+    _job(sweep, 0, ["recompute=none"], *run("none", 1.0))
+    _job(sweep, 1, ["recompute=full"], *run("full", 1.37, per_layer=2 * s * b * h))
+    _job(sweep, 2, ["recompute=selective"], *run("selective", 1.05, per_layer=99 * s * b * h))
+    tables = experiment_module("activation_recompute").report(load_jobs(sweep))
+    memory = _rows(tables, "Activation bytes per layer")
+    by_claim = {(r[0], r[1].split(",")[0]): r[-1] for r in memory}
+    assert by_claim[("our_formula", "none")] == HOLDS  # measured = our formula, exactly
+    assert by_claim[("full_bytes", "full")] == HOLDS  # 2·s·b·h
+    assert by_claim[("selective_bytes", "selective")] == DOES_NOT_HOLD  # 99 vs 34 s·b·h
+    overhead = _rows(tables, "Step-time overhead over none")
+    assert [r[2] for r in overhead if r[0] != "none"] == ["0.37", "0.05"]
+    assert all(r[-1].startswith(f"{NOT_COMPARABLE}: CPU") for r in overhead if r[0] != "none")
+
+
+def test_report_logs_tables_and_images_to_the_sweeps_wandb_group(tmp_path, monkeypatch):
+    logged, inits = {}, []
+
+    class Run:
+        def log(self, d):
+            logged.update(d)
+
+        def finish(self):
+            logged["finished"] = True
+
+    fake = types.SimpleNamespace(
+        init=lambda **kw: inits.append(kw) or Run(),
+        Table=lambda columns, data: ("table", tuple(columns), len(data)),
+        Image=lambda path: ("image", Path(path).name),
+        Settings=lambda **kw: kw,
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    sweep = _sweep(tmp_path, "zero_memory")
+    config = {
+        "parallelism": {"name": "ddp", "zero_stage": 0},
+        "launcher": {"nproc_per_node": 2},
+        "logger": {"name": "wandb", "mode": "offline", "project": "p"},
+    }
+    summary = _zero_summary(4 * PHI, 4 * PHI, 8 * PHI, {"all_reduce": 4 * PHI})
+    summary["wandb"] = {"group": "multirun_experiments_zero_memory_x"}
+    _job(sweep, 0, ["parallelism=ddp"], config, summary)
+    write_report(sweep)
+    assert inits[0]["group"] == "multirun_experiments_zero_memory_x"
+    assert inits[0]["mode"] == "offline" and inits[0]["job_type"] == "report"
+    assert logged["model_states_per_rank_at_the_peak"][0] == "table"
+    assert logged["zero_memory"] == ("image", "zero_memory.png")
+    assert logged["finished"]
+
+
+def test_parallel_strategies_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "parallel_strategies")
+
+    def cfg(name):
+        return {"parallelism": {"name": name, "zero_stage": 0}, "launcher": {"nproc_per_node": 4}}
+
+    _job(
+        sweep,
+        0,
+        ["parallelism=ddp"],
+        cfg("ddp"),
+        _zero_summary(4 * PHI, 4 * PHI, 8 * PHI, {"all_reduce": 4 * PHI}),
+    )
+    # zero2 at N=4: 2Φ + 14Φ/4 = 5.5Φ, a 65.6% saving; its 2Φ of traffic equals DDP's.
+    _job(
+        sweep,
+        1,
+        ["parallelism=zero2"],
+        cfg("zero2"),
+        _zero_summary(
+            2 * PHI, PHI // 2, 3 * PHI, {"all_gather": 2 * PHI, "reduce_scatter": 4 * PHI}
+        ),
+    )
+    _job(sweep, 2, ["parallelism=fsdp"], cfg("fsdp"), error="error: killed")
+    tables = experiment_module("parallel_strategies").report(load_jobs(sweep))
+    memory = _rows(tables, "Memory saving against DDP")
+    assert [r[-1] for r in memory[:2]] == [HOLDS, HOLDS]
+    assert memory[1][2] == "0.656"
+    assert memory[2][-1].startswith(NOT_COMPARABLE)
+    comm = _rows(tables, "Communication against DDP")
+    assert comm[0][2] == "1" and comm[0][-1] == DOES_NOT_HOLD  # "medium" yet DDP's volume
+    assert all(r[-1].startswith(NOT_COMPARABLE) for r in _rows(tables, "Scaling efficiency"))
