@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import shutil
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +22,7 @@ from experiments.sweep import Job, experiment_of, load_jobs
 from llm.errors import ConfigError
 from llm.launch import resolve_wandb_mode
 
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "experiments"
 EXPERIMENTS = (
     "zero_memory",
     "grad_accumulation",
@@ -90,9 +92,10 @@ def write_report(sweep_dir: Path, log_wandb: bool = True) -> Path:
         "",
         (module.__doc__ or "").strip(),
         "",
+        f"- Sweep: `{sweep_dir}`",
         f"- Device: {_device(jobs)}",
         f"- Jobs: {len(jobs)}, failed: {failed}",
-        f"- Written: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        f"- Written: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "- Verdicts: holds / does not hold (outside the claim's tolerance) / not comparable "
         "here (with the reason). ratio = ours / paper (a range's midpoint).",
         "",
@@ -151,3 +154,17 @@ def log_to_wandb(sweep_dir: Path, jobs: list[Job], tables: list[Table], images: 
             run.log({name: wandb.Image(str(path))})
     finally:
         run.finish()
+
+
+def publish(sweep_dir: Path, docs: Path = DOCS) -> Path:
+    """Copy the sweep's report.md and PNGs to docs/experiments/<config>/, replacing the
+    previous ones: the committed report of that experiment and scale."""
+    sweep_dir = Path(sweep_dir)
+    if not (sweep_dir / "report.md").exists():
+        raise ConfigError(f"{sweep_dir} has no report.md; run `python -m experiments report` first")
+    dest = docs / experiment_of(sweep_dir)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in [sweep_dir / "report.md", *sorted(sweep_dir.glob("*.png"))]:
+        shutil.copy2(f, dest / f.name)
+    return dest / "report.md"
