@@ -28,6 +28,7 @@ EXPERIMENTS = (
     "grad_accumulation",
     "activation_recompute",
     "parallel_strategies",
+    "mixed_precision",
 )
 
 

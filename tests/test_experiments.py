@@ -319,3 +319,46 @@ def test_parallel_strategies_report_verdicts(tmp_path):
     comm = _rows(tables, "Communication against DDP")
     assert comm[0][2] == "1" and comm[0][-1] == DOES_NOT_HOLD  # "medium" yet DDP's volume
     assert all(r[-1].startswith(NOT_COMPARABLE) for r in _rows(tables, "Scaling efficiency"))
+
+
+def test_mixed_precision_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "mixed_precision")
+
+    def run(name, val, params, scales=None, skipped=0):
+        summary = {
+            "device": "cpu",
+            "final_val_loss": val,
+            "skipped_steps": skipped,
+            "model_state_bytes": [{"params": params}],
+        }
+        metrics = [
+            {
+                "step": s,
+                "loss": 5.0 - s / 10,
+                "step_time_s": 0.1,
+                "loss_scale": (scales or [1.0] * 6)[s - 1],
+                "skipped": s in (2, 3) and skipped > 0,
+            }
+            for s in range(1, 7)
+        ]
+        return {"precision": {"name": name}}, summary, metrics
+
+    _job(sweep, 0, ["precision=fp32"], *run("fp32", 4.00, 4 * PHI))
+    _job(
+        sweep,
+        1,
+        ["precision=fp16"],
+        *run("fp16", 4.04, 4 * PHI, [65536, 32768, 16384, 16384, 16384, 16384], 2),
+    )
+    _job(sweep, 2, ["precision=bf16_pure"], *run("bf16_pure", 4.20, 2 * PHI))
+    tables = experiment_module("mixed_precision").report(load_jobs(sweep))
+    acc = _rows(tables, "Final validation loss against fp32")
+    assert [r[-1] for r in acc] == [HOLDS, DOES_NOT_HOLD]  # 1% inside 2%, 5% outside
+    mem = _rows(tables, "Parameter memory against fp32")
+    assert [r[-1] for r in mem] == [DOES_NOT_HOLD, HOLDS]  # fp16 keeps fp32 parameters
+    speed = _rows(tables, "Step time against fp32")
+    assert all(r[-1].startswith(f"{NOT_COMPARABLE}: CPU") for r in speed)
+    per = {r[0]: r for r in _rows(tables, "Per precision")}
+    assert per["fp16"][2:5] == (2, "65,536", "16,384")
+    write_report(sweep, log_wandb=False)
+    assert (sweep / "mixed_precision.png").stat().st_size > 0
