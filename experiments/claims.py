@@ -7,6 +7,7 @@ measurements with it through :func:`compare`, which gives one row of a compariso
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 HOLDS = "holds"
@@ -42,12 +43,16 @@ class Table:
 def verdict(ours: float, paper: float | tuple[float, float], tolerance: float) -> str:
     """holds when ``ours`` is within ``tolerance`` (relative) of the point, or of the range."""
     lo, hi = paper if isinstance(paper, tuple) else (paper, paper)
-    lo_ok = ours >= lo - abs(lo) * tolerance
-    hi_ok = ours <= hi + abs(hi) * tolerance
+    # Bounds are inclusive, also of rounding: 3e-3 / 3e-4 is 10.000000000000002.
+    lo_ok = ours >= lo - abs(lo) * tolerance or math.isclose(ours, lo)
+    hi_ok = ours <= hi + abs(hi) * tolerance or math.isclose(ours, hi)  # hi may be inf
     return HOLDS if lo_ok and hi_ok else DOES_NOT_HOLD
 
 
 def ratio(ours: float, paper: float | tuple[float, float]) -> float | None:
+    """ours / paper: a range's midpoint, or its lower bound when it is open above."""
+    if isinstance(paper, tuple) and math.isinf(paper[1]):
+        paper = paper[0]
     mid = sum(paper) / 2 if isinstance(paper, tuple) else paper
     return None if mid == 0 else ours / mid
 
@@ -57,6 +62,8 @@ def fmt(value, unit: str = "") -> str:
     if value is None:
         return "-"
     if isinstance(value, tuple):
+        if math.isinf(value[1]):
+            return f">= {fmt(value[0])}{unit}"
         return f"{fmt(value[0])}-{fmt(value[1])}{unit}"
     if isinstance(value, str):
         return value

@@ -29,6 +29,7 @@ EXPERIMENTS = (
     "activation_recompute",
     "parallel_strategies",
     "mixed_precision",
+    "optimizers",
 )
 
 

@@ -362,3 +362,48 @@ def test_mixed_precision_report_verdicts(tmp_path):
     assert per["fp16"][2:5] == (2, "65,536", "16,384")
     write_report(sweep, log_wandb=False)
     assert (sweep / "mixed_precision.png").stat().st_size > 0
+
+
+def test_optimizers_report_best_lr_and_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "optimizers")
+    jobs = [  # (optimizer, lr, final val loss or None: failed, state bytes per parameter)
+        ("adamw", 1e-3, 4.00, 8.0),
+        ("adamw", 3e-3, 3.90, 8.0),
+        ("lion", 3e-4, 3.95, 4.0),
+        ("lion", 1e-3, None, 4.0),
+        ("adafactor", 1e-2, 3.85, 0.2),
+    ]
+    for num, (opt, lr, val, state) in enumerate(jobs):
+        cfg = {"optimizer": {"name": opt, "lr": lr}}
+        overrides = [f"optimizer={opt}", f"optimizer.lr={lr}"]
+        if val is None:
+            _job(sweep, num, overrides, cfg, error="error: gradients were not finite")
+            continue
+        summary = {
+            "final_val_loss": val,
+            "final_train_loss": val,
+            "n_params": PHI,
+            "steps": 4,
+            "tokens_seen": 4000,
+            "model_state_bytes": [{"optimizer_states": state * PHI}],
+        }
+        # training loss reaches the final value at step 3 (or 4 for the worst)
+        metrics = [
+            {"step": s, "loss": val + (4 - s) * 0.5 * (s < 3), "step_time_s": 0.1}
+            for s in (1, 2, 3, 4)
+        ]
+        _job(sweep, num, overrides, cfg, summary, metrics)
+    tables = experiment_module("optimizers").report(load_jobs(sweep))
+    results = {r[0]: r for r in _rows(tables, "Each optimizer at its best learning rate")}
+    assert results["adamw"][1].startswith("0.003 ") and results["lion"][1].startswith("0.0003 ")
+    assert results["adamw"][4] == "3,000"  # step 3 x 1,000 tokens per step
+    assert results["lion"][4] == "not reached"  # 3.95 never reaches AdamW's 3.90
+    claims = {(r[0], r[1]): r for r in _rows(tables, "Claims")}
+    assert claims[("lion_state", "lion")][-1] == HOLDS
+    assert claims[("lion_lr", "best lr on the grid")][2] == "10x"
+    assert claims[("lion_lr", "best lr on the grid")][-1] == HOLDS
+    assert claims[("adafactor_state", "adafactor")][-1] == HOLDS
+    assert claims[("no_gain", "lion vs adamw")][-1] == HOLDS
+    assert claims[("no_gain", "adafactor vs adamw")][-1] == DOES_NOT_HOLD  # 1.3% better
+    grid = {r[0]: r[1:] for r in _rows(tables, "Final validation loss over the grid")}
+    assert grid["lion"] == ("3.950", "failed", "-", "-")
