@@ -30,6 +30,7 @@ EXPERIMENTS = (
     "parallel_strategies",
     "mixed_precision",
     "optimizers",
+    "flash_attention",
 )
 
 

@@ -407,3 +407,27 @@ def test_optimizers_report_best_lr_and_verdicts(tmp_path):
     assert claims[("no_gain", "adafactor vs adamw")][-1] == DOES_NOT_HOLD  # 1.3% better
     grid = {r[0]: r[1:] for r in _rows(tables, "Final validation loss over the grid")}
     assert grid["lion"] == ("3.950", "failed", "-", "-")
+
+
+def test_flash_attention_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "flash_attention")
+    # eager: quadratic (x4 per doubling); sdpa: linear, 12x below eager at 2K, 24x at 4K
+    eager = {1024: 32e6, 2048: 128e6, 4096: 512e6}
+    flash = {1024: 5.33e6, 2048: 10.67e6, 4096: 21.3e6}
+    num = 0
+    for name, table in (("eager", eager), ("sdpa", flash)):
+        for t, b in table.items():
+            summary = {"device": "cpu", "memory_peak": [{"activations_attention": b}]}
+            metrics = [{"step": s, "step_time_s": 0.5} for s in (1, 2, 3)]
+            cfg = {"attention": {"backend": name}, "data": {"seq_len": t}}
+            _job(sweep, num, [f"attention={name}", f"data.seq_len={t}"], cfg, summary, metrics)
+            num += 1
+    tables = experiment_module("flash_attention").report(load_jobs(sweep))
+    growth = _rows(tables, "Attention's saved bytes per doubling of T")
+    assert [r[-1] for r in growth] == [HOLDS] * 4
+    saving = {r[1]: r for r in _rows(tables, "Memory saving of the flash kernel")}
+    assert saving["eager / sdpa, T=2048"][2] == "12x"
+    assert saving["eager / sdpa, T=2048"][-1] == HOLDS  # within 25% of 10x
+    assert saving["eager / sdpa, T=4096"][-1] == HOLDS
+    speed = _rows(tables, "Speed against eager")
+    assert all(r[-1].startswith(f"{NOT_COMPARABLE}: CPU") for r in speed)
