@@ -100,7 +100,7 @@ def write_report(sweep_dir: Path, log_wandb: bool = True) -> Path:
         f"- Jobs: {len(jobs)}, failed: {failed}",
         f"- Written: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "- Verdicts: holds / does not hold (outside the claim's tolerance) / not comparable "
-        "here (with the reason). ratio = ours / paper (a range's midpoint).",
+        "here (with the reason). ratio = ours / paper (a range's midpoint; an open range's lower bound).",
         "",
     ]
     body = [markdown(t) for t in tables]
