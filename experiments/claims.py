@@ -57,19 +57,20 @@ def ratio(ours: float, paper: float | tuple[float, float]) -> float | None:
     return None if mid == 0 else ours / mid
 
 
-def fmt(value, unit: str = "") -> str:
-    """A number for a table: thousands separators for integers, 3 significant digits else."""
+def fmt(value, unit: str = "", digits: int = 3) -> str:
+    """A number for a table: thousands separators for integers, ``digits`` significant
+    digits else."""
     if value is None:
         return "-"
     if isinstance(value, tuple):
         if math.isinf(value[1]):
-            return f">= {fmt(value[0])}{unit}"
-        return f"{fmt(value[0])}-{fmt(value[1])}{unit}"
+            return f">= {fmt(value[0], '', digits)}{unit}"
+        return f"{fmt(value[0], '', digits)}-{fmt(value[1], '', digits)}{unit}"
     if isinstance(value, str):
         return value
     if float(value).is_integer() and abs(value) >= 1000:
         return f"{int(value):,}{unit}"
-    return f"{value:.3g}{unit}"
+    return f"{value:.{digits}g}{unit}"
 
 
 def compare(
@@ -81,7 +82,9 @@ def compare(
     not_comparable: str | None = None,
 ) -> tuple:
     """One row of a comparison table. ``ours`` None (a failed job) or a ``not_comparable``
-    reason gives the verdict "not comparable here" with the reason."""
+    reason gives the verdict "not comparable here" with the reason. Tight tolerances show
+    more digits, so a deviation inside or outside them is visible."""
+    digits = 3 if claim.tolerance >= 0.01 else 7
     if not_comparable is None and ours is None:
         not_comparable = "no measurement (the job failed)"
     if not_comparable is not None:
@@ -98,9 +101,9 @@ def compare(
     return (
         claim.key,
         setting,
-        fmt(ours, unit),
-        fmt(paper, unit),
-        "-" if r is None else f"{r:.2f}",
+        fmt(ours, unit, digits),
+        fmt(paper, unit, digits),
+        "-" if r is None else f"{r:.{digits - 1}f}",
         verdict(ours, paper, claim.tolerance),
     )
 
