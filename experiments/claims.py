@@ -63,6 +63,8 @@ def fmt(value, unit: str = "", digits: int = 3) -> str:
     if value is None:
         return "-"
     if isinstance(value, tuple):
+        if value[0] == value[1]:
+            return fmt(value[0], unit, digits)
         if math.isinf(value[1]):
             return f">= {fmt(value[0], '', digits)}{unit}"
         return f"{fmt(value[0], '', digits)}-{fmt(value[1], '', digits)}{unit}"
