@@ -29,8 +29,8 @@ CLAIMS = {
     **{
         f"{s}_saving": Claim(
             f"{s}_saving",
-            f"{s} saves {fmt(lo * 100)}-{fmt(hi * 100)}% memory against DDP",
-            f"{fmt(lo * 100)}-{fmt(hi * 100)}%",
+            f"{s} saves {fmt((lo * 100, hi * 100))}% memory against DDP",
+            f"{fmt((lo * 100, hi * 100))}%",
             SOURCE,
             0.05,
             SAVING_MAPPING,
