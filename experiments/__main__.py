@@ -9,8 +9,8 @@ import argparse
 import sys
 
 from experiments.report import EXPERIMENTS, publish, write_report
-from experiments.runner import config_name, run_sweep, scales_of
-from llm.errors import ConfigError
+from experiments.runner import SweepInterrupted, config_name, run_sweep, scales_of
+from llm.errors import ConfigError, Interrupted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,6 +46,7 @@ def _run(name: str, args: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    interrupted = False
     try:
         if a.command == "list":
             for name in EXPERIMENTS:
@@ -57,11 +58,21 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "report":
             sweep_dir, log_wandb = a.sweep_dir, not a.no_wandb
         else:
-            sweep_dir, log_wandb = _run(a.name, a.overrides), True
+            log_wandb = True
+            try:
+                sweep_dir = _run(a.name, a.overrides)
+            except SweepInterrupted as exc:
+                sweep_dir, interrupted = exc.sweep_dir, True
             if sweep_dir is None:
                 print("error: the sweep did not start (Hydra's message is above)", file=sys.stderr)
                 return 1
         print(write_report(sweep_dir, log_wandb=log_wandb))
+        if interrupted:
+            print(
+                "stopped: the sweep was interrupted; the report covers its jobs so far",
+                file=sys.stderr,
+            )
+            return Interrupted.exit_code  # nothing published: the sweep is incomplete
         if a.publish:
             print(publish(sweep_dir))
         return 0

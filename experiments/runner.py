@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.sweep import ERROR_FILE
 from llm.config import register_configs
-from llm.errors import ConfigError
+from llm.errors import ConfigError, Interrupted
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -30,6 +30,14 @@ SCALES = ("small", "gpu")
 
 class JobFailed(Exception):
     """A job of the sweep failed; Hydra records it and runs the next one."""
+
+
+class SweepInterrupted(Exception):
+    """Ctrl-C or SIGTERM stopped a job (train.py saved its checkpoint): no later job runs."""
+
+    def __init__(self, sweep_dir: Path | None) -> None:
+        super().__init__(f"the sweep in {sweep_dir} was interrupted")
+        self.sweep_dir = sweep_dir
 
 
 def config_file(name: str, scale: str) -> Path:
@@ -85,7 +93,8 @@ def _reason(stderr: str, fallback: str) -> str:
 
 
 def run_sweep(config: str, overrides: list[str]) -> Path | None:
-    """Run the sweep; returns its directory (None if Hydra stopped before making one)."""
+    """Run the sweep; returns its directory (None if Hydra stopped before making one).
+    Raises SweepInterrupted when a job was interrupted."""
     train = _train_module()
     state: dict = {}
 
@@ -100,6 +109,8 @@ def run_sweep(config: str, overrides: list[str]) -> Path | None:
         except SystemExit as exc:
             if exc.code in (0, None):
                 return None
+            if exc.code == Interrupted.exit_code:
+                raise  # not a failed job: the user stops the sweep
             reason = _reason(tee.copy.getvalue(), f"exit status {exc.code}")
         except Exception as exc:  # any failure is recorded; the sweep goes on
             reason = f"{type(exc).__name__}: {exc}"
@@ -110,8 +121,11 @@ def run_sweep(config: str, overrides: list[str]) -> Path | None:
     sys.argv = ["experiments", "-m", f"experiment={config}", *overrides]
     try:
         job()
-    except SystemExit:
-        pass  # Hydra exits after the sweep when a job failed; the report marks it
+    except SystemExit as exc:
+        # Hydra exits after the sweep when a job failed (the report marks it), or at once
+        # when a job was interrupted.
+        if exc.code == Interrupted.exit_code:
+            raise SweepInterrupted(state.get("sweep_dir")) from None
     finally:
         sys.argv = argv
     return state.get("sweep_dir")

@@ -14,12 +14,13 @@ import pytest
 import torch
 import yaml
 
+from experiments import runner
 from experiments.claims import DOES_NOT_HOLD, HOLDS, NOT_COMPARABLE, verdict
 from experiments.report import EXPERIMENTS, experiment_module, write_report
 from experiments.runner import SCALES, compose_jobs, config_name, run_sweep, scales_of, sweep_jobs
 from experiments.sweep import ERROR_FILE, load_jobs
 from llm.config import to_dataclass
-from llm.errors import ConfigError
+from llm.errors import ConfigError, Interrupted
 from llm.estimate.activations import layer_terms
 from llm.models.shapes import model_args
 from llm.precision import resolve_precision
@@ -455,3 +456,20 @@ def test_flash_attention_report_verdicts(tmp_path):
     assert saving["eager / sdpa, T=4096"][-1] == HOLDS
     speed = _rows(tables, "Speed against eager")
     assert all(r[-1].startswith(f"{NOT_COMPARABLE}: CPU") for r in speed)
+
+
+def test_an_interrupted_job_stops_the_sweep(tmp_path, monkeypatch):
+    """train.py exits 130 after Ctrl-C / SIGTERM: unlike a failure, no later job runs."""
+    calls = []
+
+    def interrupted(cfg):
+        calls.append(cfg.precision.name)
+        raise SystemExit(Interrupted.exit_code)
+
+    monkeypatch.setattr(runner, "_train_module", lambda: types.SimpleNamespace(main=interrupted))
+    sweep_dir = tmp_path / "sweep"
+    with pytest.raises(runner.SweepInterrupted) as exc:
+        run_sweep("mixed_precision", ["logger=none", f"hydra.sweep.dir={sweep_dir}"])
+    assert exc.value.sweep_dir == sweep_dir
+    assert calls == ["fp32"]
+    assert not (sweep_dir / "0" / ERROR_FILE).exists()
