@@ -108,7 +108,7 @@ def report(jobs: list[Job]) -> list[Table]:
         scale.append(
             (
                 precision(j),
-                fmt(j.summary.get("final_val_loss")),
+                f"{j.summary['final_val_loss']:.4f}",
                 j.summary.get("skipped_steps", 0),
                 fmt(scales[0]) if scales else "-",
                 fmt(scales[-1]) if scales else "-",

@@ -339,7 +339,7 @@ def test_parallel_strategies_report_verdicts(tmp_path):
     tables = experiment_module("parallel_strategies").report(load_jobs(sweep))
     memory = _rows(tables, "Memory saving against DDP")
     assert [r[-1] for r in memory[:2]] == [HOLDS, HOLDS]
-    assert memory[1][2] == "0.656"
+    assert memory[1][2] == "0.65625"
     assert memory[2][-1].startswith(NOT_COMPARABLE)
     comm = _rows(tables, "Communication against DDP")
     assert comm[0][2] == "1" and comm[0][-1] == DOES_NOT_HOLD  # "medium" yet DDP's volume
