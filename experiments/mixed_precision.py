@@ -154,7 +154,8 @@ def plots(jobs: list[Job]) -> dict:
             scales.semilogy(*zip(*trace, strict=True), label="fp16 loss scale")
             skipped = [s for s, v in j.metric("skipped") if v]
             scale_at = dict(trace)
-            scales.plot(skipped, [scale_at[s] for s in skipped], "rx", label="skipped step")
+            if skipped:
+                scales.plot(skipped, [scale_at[s] for s in skipped], "rx", label="skipped step")
     curves.set_ylabel("training loss")
     curves.set_title("One token budget per precision")
     if curves.lines:
