@@ -14,7 +14,7 @@ HOLDS = "holds"
 DOES_NOT_HOLD = "does not hold"
 NOT_COMPARABLE = "not comparable here"
 
-# The columns of every comparison table (ratio: ours / paper, a range's midpoint).
+# The columns of every comparison table (ratio: ours / paper; see ratio()).
 COMPARISON_COLUMNS = ("claim", "setting", "ours", "paper", "ratio", "verdict")
 
 
