@@ -86,7 +86,9 @@ def compare(
     """One row of a comparison table. ``ours`` None (a failed job) or a ``not_comparable``
     reason gives the verdict "not comparable here" with the reason. Tight tolerances show
     more digits, so a deviation inside or outside them is visible."""
-    digits = 3 if claim.tolerance >= 0.1 else 5 if claim.tolerance >= 1e-3 else 7
+    # A point with a tight tolerance needs the digits that show the deviation.
+    tight = 5 if claim.tolerance >= 1e-3 or isinstance(paper, tuple) else 7
+    digits = 3 if claim.tolerance >= 0.1 else tight
     if not_comparable is None and ours is None:
         not_comparable = "no measurement (the job failed)"
     if not_comparable is not None:
