@@ -37,7 +37,9 @@ class Table:
 
     @property
     def key(self) -> str:
-        return "".join(c if c.isalnum() else "_" for c in self.title.lower()).strip("_")
+        return "".join(c if c.isascii() and c.isalnum() else "_" for c in self.title.lower()).strip(
+            "_"
+        )
 
 
 def verdict(ours: float, paper: float | tuple[float, float], tolerance: float) -> str:
