@@ -197,7 +197,7 @@ def results_table(grid, bests, adamw_final) -> Table:
         note="best lr: lowest mean final validation loss over seeds (at the grid's edge: the "
         f"optimum may lie beyond it); tokens: the first logged step whose training loss, "
         f"averaged over {SMOOTHING} logged steps, is at or below AdamW's final (averaged) "
-        "one; step times come from a shared machine and are not comparable across jobs.",
+        "one; step times compare across jobs only on an otherwise idle machine.",
     )
 
 
