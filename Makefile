@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline clean
+.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline experiments clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -58,6 +58,11 @@ bench-pipeline: $(STAMP) ## pipeline schedules: bubble, activations in flight, b
 
 bench-optimizers: $(STAMP) ## each optimizer's step time and state bytes, ours against library versions
 	$(PY) benchmarks/optimizers.py $(ARGS)
+
+experiments: $(STAMP) ## run every small experiment, write each report and copy it to docs/experiments/
+	for name in $$($(PY) -m experiments list --names); do \
+		$(PY) -m experiments run $$name $(ARGS) --publish || exit 1; \
+	done
 
 clean: ## remove outputs and caches (keeps .venv)
 	rm -rf outputs multirun .cache .pytest_cache .ruff_cache

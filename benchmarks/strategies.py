@@ -48,6 +48,7 @@ import psutil
 import torch
 from bench_device import bench_device
 
+from llm.parallel.comm_units import comm_phi
 from llm.precision import PrecisionPolicy, resolve_precision
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,21 +111,6 @@ def formula(strategy: str, p: PrecisionPolicy, n: int, phi: int) -> dict:
         "expr": expr,
         "phi_per_rank": sum(parts),
     }
-
-
-def _comm_itemsize(kind: str, p: PrecisionPolicy) -> int:
-    """Bytes per element of a collective: parameters are gathered in working_dtype, and
-    every strategy reduces gradients in reduce_dtype (DDP's comm hook, our ZeRO, FSDP2's
-    MixedPrecisionPolicy, DeepSpeed's communication_data_type)."""
-    return (p.working_dtype if kind in ("all_gather", "broadcast") else p.reduce_dtype).itemsize
-
-
-def comm_phi(sent: dict[str, float], p: PrecisionPolicy, phi: int) -> float:
-    elements = 0.0
-    for kind, payload in sent.items():
-        count = payload / _comm_itemsize(kind, p)
-        elements += 2 * count if kind == "all_reduce" else count
-    return elements / phi
 
 
 def paper_comm_phi(job: Job) -> int:

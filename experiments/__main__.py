@@ -1,0 +1,85 @@
+"""`python -m experiments run NAME [scale=small|gpu] [override ...]`: run an experiment's
+sweep, then write its report. `python -m experiments report SWEEP_DIR`: (re)write the
+report of a sweep. `python -m experiments publish SWEEP_DIR`: copy its report.md and PNGs to
+docs/experiments/<config>/. `python -m experiments list`: the experiments and their scales."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from experiments.report import EXPERIMENTS, publish, write_report
+from experiments.runner import SweepInterrupted, config_name, run_sweep, scales_of
+from llm.errors import ConfigError, Interrupted
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run an experiment's sweep, then its report")
+    run.add_argument("name", help=", ".join(EXPERIMENTS))
+    run.add_argument("overrides", nargs="*", help="scale=small|gpu, then train.py overrides")
+    run.add_argument("--publish", action="store_true", help="then copy it to docs/experiments/")
+    report = sub.add_parser("report", help="write report.md and plots of a sweep directory")
+    report.add_argument("sweep_dir")
+    report.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
+    report.add_argument("--publish", action="store_true", help="then copy it to docs/experiments/")
+    pub = sub.add_parser("publish", help="copy a sweep's report.md and PNGs to docs/experiments/")
+    pub.add_argument("sweep_dir")
+    names = sub.add_parser("list", help="the experiments and their scales")
+    names.add_argument("--names", action="store_true", help="names only, one a line")
+    return parser
+
+
+def _run(name: str, args: list[str]):
+    scale = "small"
+    overrides = []
+    for o in args:
+        if o.startswith("scale="):
+            scale = o.split("=", 1)[1]
+        else:
+            overrides.append(o)
+    if name not in EXPERIMENTS:
+        raise ConfigError(f"no experiment named {name}; choose one of {', '.join(EXPERIMENTS)}")
+    return run_sweep(config_name(name, scale), overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    interrupted = False
+    try:
+        if a.command == "list":
+            for name in EXPERIMENTS:
+                print(name if a.names else f"{name}: {', '.join(scales_of(name))}")
+            return 0
+        if a.command == "publish":
+            print(publish(a.sweep_dir))
+            return 0
+        if a.command == "report":
+            sweep_dir, log_wandb = a.sweep_dir, not a.no_wandb
+        else:
+            log_wandb = True
+            try:
+                sweep_dir = _run(a.name, a.overrides)
+            except SweepInterrupted as exc:
+                sweep_dir, interrupted = exc.sweep_dir, True
+            if sweep_dir is None:
+                print("error: the sweep did not start (Hydra's message is above)", file=sys.stderr)
+                return 1
+        print(write_report(sweep_dir, log_wandb=log_wandb))
+        if interrupted:
+            print(
+                "stopped: the sweep was interrupted; the report covers its jobs so far",
+                file=sys.stderr,
+            )
+            return Interrupted.exit_code  # nothing published: the sweep is incomplete
+        if a.publish:
+            print(publish(sweep_dir))
+        return 0
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

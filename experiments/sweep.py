@@ -1,0 +1,109 @@
+"""A Hydra sweep directory as the report reads it: one :class:`Job` per numbered job folder
+(its overrides, composed config, summary.json and metrics.jsonl)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+ERROR_FILE = "error.txt"  # written by `python -m experiments run` when a job fails
+
+
+@dataclass
+class Job:
+    num: int
+    dir: Path
+    overrides: list[str]
+    config: dict
+    summary: dict | None
+    metrics: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.summary is None
+
+    @property
+    def label(self) -> str:
+        swept = [o for o in self.overrides if not o.startswith("experiment=")]
+        return " ".join(swept) or f"job {self.num}"
+
+    def get(self, dotted: str, default=None):
+        """A value of the job's composed config, e.g. ``parallelism.name``."""
+        node = self.config
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def override(self, key: str) -> str | None:
+        """The value this job's sweep gave ``key`` (``parallelism=zero2`` -> ``zero2``)."""
+        for o in self.overrides:
+            k, _, v = o.partition("=")
+            if k.lstrip("+~") == key:
+                return v
+        return None
+
+    def metric(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) for every metrics.jsonl row that has ``key``."""
+        return [(m["step"], m[key]) for m in self.metrics if m.get(key) is not None]
+
+
+def _read_yaml(path: Path):
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.exists() else None
+
+
+def _metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last row (the job was killed mid-write)
+    return rows
+
+
+def _error(job_dir: Path) -> str | None:
+    path = job_dir / ERROR_FILE
+    if path.exists():
+        return path.read_text().strip() or None
+    ranks = sorted((job_dir / ".rank_errors").glob("rank*.txt"))
+    return ranks[0].read_text().strip().splitlines()[0] if ranks else None
+
+
+def load_job(job_dir: Path) -> Job:
+    hydra = job_dir / ".hydra"
+    summary_path = job_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return Job(
+        num=int(job_dir.name),
+        dir=job_dir,
+        overrides=_read_yaml(hydra / "overrides.yaml") or [],
+        config=_read_yaml(hydra / "config.yaml") or {},
+        summary=summary,
+        metrics=_metrics(job_dir / "metrics.jsonl"),
+        error=None if summary is not None else (_error(job_dir) or "no summary.json written"),
+    )
+
+
+def load_jobs(sweep_dir: Path) -> list[Job]:
+    dirs = [d for d in Path(sweep_dir).iterdir() if d.is_dir() and d.name.isdigit()]
+    return [load_job(d) for d in sorted(dirs, key=lambda d: int(d.name))]
+
+
+def experiment_of(sweep_dir: Path) -> str | None:
+    """The experiment config the sweep ran (``zero_memory`` or ``zero_memory_gpu``)."""
+    multirun = _read_yaml(Path(sweep_dir) / "multirun.yaml") or {}
+    choice = multirun.get("hydra", {}).get("runtime", {}).get("choices", {}).get("experiment")
+    if choice:
+        return choice
+    for o in multirun.get("hydra", {}).get("overrides", {}).get("task", []):
+        if o.startswith("experiment="):
+            return o.split("=", 1)[1]
+    return None

@@ -1,0 +1,219 @@
+"""ZeRO's model-state memory and communication per rank (Rajbhandari et al., 2019), for ddp,
+our zero1-3, FSDP2 and DeepSpeed stages 1-3: the peak's params + grads + optimizer states on
+rank 0 against 16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N; the collectives' payload per step
+against 2Φ (stages 0-2) and 3Φ (stage 3); and the paper's Figure 1 example from our
+estimator."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import torch
+
+from experiments.claims import COMPARISON_COLUMNS, Claim, Table, compare, fmt
+from experiments.sweep import Job
+from llm.config import OptimizerConfig
+from llm.estimate.states import paper_states
+from llm.parallel.comm_units import comm_phi
+from llm.precision import resolve_precision
+
+SOURCE = "Rajbhandari et al., 2019, arXiv:1910.02054 (docs/references.md)"
+MEMORY_TOLERANCE = 0.25  # bounded extras the paper does not count: docs/zero.md names them
+PEAK_MAPPING = (
+    "rank 0's peak step (summary.json memory_peak[0]): params + grads + optimizer_states, "
+    "bytes / Φ (Φ = n_params)"
+)
+CLAIMS = {
+    c.key: c
+    for c in (
+        Claim(
+            "stage0_memory",
+            "DDP holds every model state",
+            "16Φ",
+            SOURCE,
+            MEMORY_TOLERANCE,
+            PEAK_MAPPING,
+        ),
+        Claim(
+            "stage1_memory",
+            "P_os partitions optimizer states",
+            "4Φ + 12Φ/N",
+            SOURCE,
+            MEMORY_TOLERANCE,
+            PEAK_MAPPING,
+        ),
+        Claim(
+            "stage2_memory",
+            "P_os+g partitions gradients too",
+            "2Φ + 14Φ/N",
+            SOURCE,
+            MEMORY_TOLERANCE,
+            PEAK_MAPPING,
+        ),
+        Claim(
+            "stage3_memory",
+            "P_os+g+p partitions parameters too",
+            "16Φ/N",
+            SOURCE,
+            MEMORY_TOLERANCE,
+            PEAK_MAPPING,
+        ),
+        Claim(
+            "comm_stage0_2",
+            "DDP and stages 1-2 move 2Φ elements per rank per step",
+            "2Φ",
+            SOURCE + ", section 7",
+            0.10,
+            "rank 0's comm_bytes_per_step in elements (all-reduce counted twice) / Φ",
+        ),
+        Claim(
+            "comm_stage3",
+            "stage 3 moves 3Φ (1.5x DDP)",
+            "3Φ",
+            SOURCE + ", section 7",
+            0.10,
+            "as above",
+        ),
+        Claim(
+            "figure1",
+            "Φ = 7.5B, N = 64: 120, 31.4, 16.6, 1.88 GB per rank",
+            "120 / 31.4 / 16.6 / 1.88 GB",
+            SOURCE + ", Figure 1",
+            0.01,
+            "llm.estimate.states.paper_states (the estimator's paper arithmetic), GB = 1e9 bytes",
+        ),
+    )
+}
+# Bytes per parameter the paper counts at each stage, as (replicated, partitioned over N).
+FORMULA = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}
+FIGURE1_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.88}
+
+
+def stage(job: Job) -> int:
+    name = job.get("parallelism.name")
+    if name == "deepspeed":
+        return int(job.get("parallelism.zero_stage", 0))
+    return {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[name]
+
+
+def strategy_label(job: Job) -> str:
+    return job.override("parallelism") or job.get("parallelism.name")
+
+
+def ranks(job: Job) -> int:
+    return int(job.get("launcher.nproc_per_node", 1))
+
+
+def formula_phi(stage_: int, n: int) -> float:
+    replicated, partitioned = FORMULA[stage_]
+    return replicated + partitioned / n
+
+
+def peak_states_phi(job: Job) -> float | None:
+    if job.failed:
+        return None
+    peak = job.summary["memory_peak"][0]
+    states = peak["params"] + peak["grads"] + peak["optimizer_states"]
+    return states / job.summary["n_params"]
+
+
+def steady_states_phi(job: Job) -> float | None:
+    if job.failed:
+        return None
+    return sum(job.summary["model_state_bytes"][0].values()) / job.summary["n_params"]
+
+
+def measured_comm_phi(job: Job) -> float | None:
+    if job.failed or not job.summary.get("comm_bytes_per_step"):
+        return None
+    policy = resolve_precision(job.summary["precision"], torch.device(job.summary["device"]))
+    return comm_phi(job.summary["comm_bytes_per_step"][0], policy, job.summary["n_params"])
+
+
+def memory_table(jobs: list[Job]) -> Table:
+    rows = []
+    for j in jobs:
+        s, n = stage(j), ranks(j)
+        claim = CLAIMS[f"stage{s}_memory"]
+        setting = f"{strategy_label(j)}, N={n} (stage {s})"
+        rows.append(compare(claim, setting, peak_states_phi(j), formula_phi(s, n), "Φ"))
+    return Table(
+        "Model states per rank at the peak",
+        COMPARISON_COLUMNS,
+        rows,
+        note="ours: params + grads + optimizer states of rank 0's peak step, in Φ "
+        "(bytes / n_params); paper: the stage's formula at this N.",
+    )
+
+
+def breakdown_table(jobs: list[Job]) -> Table:
+    rows = []
+    for j in jobs:
+        if j.failed:
+            rows.append((strategy_label(j), ranks(j), "-", "-", "-", "-", "-", "failed"))
+            continue
+        peak = j.summary["memory_peak"][0]
+        phi = j.summary["n_params"]
+        rows.append(
+            (
+                strategy_label(j),
+                ranks(j),
+                fmt(phi),
+                *(fmt(peak[k] / phi) for k in ("params", "grads", "optimizer_states")),
+                fmt(steady_states_phi(j)),
+                peak["phase"],
+            )
+        )
+    return Table(
+        "Peak by category (Φ)",
+        ("strategy", "N", "Φ", "params", "grads", "optimizer states", "steady state", "peak phase"),
+        rows,
+        note="steady state: model_state_bytes after a step (what the strategy holds between "
+        "steps); the peak adds buckets in flight and stage 3's gathered blocks.",
+    )
+
+
+def comm_table(jobs: list[Job]) -> Table:
+    rows = []
+    for j in jobs:
+        s = stage(j)
+        claim = CLAIMS["comm_stage3" if s == 3 else "comm_stage0_2"]
+        paper = 3.0 if s == 3 else 2.0
+        setting = f"{strategy_label(j)}, N={ranks(j)}"
+        rows.append(compare(claim, setting, measured_comm_phi(j), paper, "Φ"))
+    return Table("Communication per step", COMPARISON_COLUMNS, rows)
+
+
+def figure1_table() -> Table:
+    policy = resolve_precision("bf16", torch.device("cpu"))
+    claim = CLAIMS["figure1"]
+    rows = []
+    for s, gb in FIGURE1_GB.items():
+        ours = paper_states(7_500_000_000, 64, s, policy, OptimizerConfig(name="adamw")).total
+        rows.append(compare(claim, f"stage {s}", ours / 1e9, gb, " GB"))
+    return Table("Figure 1: 7.5B parameters on 64 ranks", COMPARISON_COLUMNS, rows)
+
+
+def report(jobs: list[Job]) -> list[Table]:
+    return [memory_table(jobs), breakdown_table(jobs), comm_table(jobs), figure1_table()]
+
+
+def plots(jobs: list[Job]) -> dict:
+    ns = sorted({ranks(j) for j in jobs})
+    fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4), squeeze=False)
+    for ax, n in zip(axes[0], ns, strict=True):
+        group = [j for j in jobs if ranks(j) == n]
+        labels = [strategy_label(j) for j in group]
+        x = range(len(group))
+        ours = [peak_states_phi(j) or 0.0 for j in group]
+        paper = [formula_phi(stage(j), n) for j in group]
+        ax.bar([i - 0.2 for i in x], ours, 0.4, label="ours (peak model states)")
+        ax.bar([i + 0.2 for i in x], paper, 0.4, label="paper formula")
+        for i, j in enumerate(group):
+            if j.failed:
+                ax.annotate("failed", (i - 0.2, 0.5), ha="center", rotation=90)
+        ax.set_xticks(list(x), labels, rotation=45, ha="right")
+        ax.set_ylabel("bytes per parameter (Φ)")
+        ax.set_title(f"N = {n} ranks")
+        ax.legend()
+    fig.suptitle("ZeRO: model-state bytes per rank")
+    return {"zero_memory": fig}

@@ -1,0 +1,478 @@
+"""experiments/: every experiment config composes, and jobs holding every value of every
+sweep axis compose and validate (a dry run of its sweep); one real sweep of a one-step job
+beside a refused one; the reports of fixture sweep directories (summary.json and
+metrics.jsonl written here) give the expected tables and verdicts, failed jobs included."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from experiments import runner
+from experiments.claims import DOES_NOT_HOLD, HOLDS, NOT_COMPARABLE, verdict
+from experiments.report import EXPERIMENTS, experiment_module, write_report
+from experiments.runner import SCALES, compose_jobs, config_name, run_sweep, scales_of, sweep_jobs
+from experiments.sweep import ERROR_FILE, load_jobs
+from llm.config import to_dataclass
+from llm.errors import ConfigError, Interrupted
+from llm.estimate.activations import layer_terms
+from llm.models.shapes import model_args
+from llm.precision import resolve_precision
+from llm.validate import validate
+
+
+def covering(jobs: list[list[str]]) -> list[list[str]]:
+    """As many jobs of the sweep as its longest axis has values, job k taking value k of
+    every axis (cycling the shorter ones): every value of every axis composes at least once,
+    at a fraction of the product's cost (composing costs ~0.3 s of CPU a job)."""
+    axes = [list(dict.fromkeys(job[i] for job in jobs)) for i in range(len(jobs[0]))]
+    longest = max(len(a) for a in axes)
+    return [[a[k % len(a)] for a in axes] for k in range(longest)]
+
+
+def _dry_run(config: str, jobs: list[list[str]], check: bool) -> None:
+    for composed in compose_jobs(config, jobs):
+        cfg = to_dataclass(composed)
+        if check:
+            assert cfg.train.device in ("auto", "cpu")
+            validate(cfg)  # the checks train.py runs before any rank starts
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_has_both_scales_and_its_jobs_compose(name):
+    """Small scale: every value of every sweep axis composes and validates; GPU scale: its
+    first job composes (every job of both scales: the slow test below)."""
+    assert scales_of(name) == list(SCALES)
+    for scale in SCALES:
+        config = config_name(name, scale)
+        jobs = sweep_jobs(config)
+        assert len(jobs) >= 2, f"{config} sweeps nothing"
+        assert len({tuple(j) for j in jobs}) == len(jobs)
+        small = scale == "small"
+        _dry_run(config, covering(jobs) if small else jobs[:1], check=small)
+        assert experiment_module(config).CLAIMS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_job_of_every_sweep_composes(name):
+    for scale in SCALES:
+        config = config_name(name, scale)
+        _dry_run(config, sweep_jobs(config), check=scale == "small")
+
+
+def test_unknown_experiment_and_scale_are_one_line_errors():
+    with pytest.raises(ConfigError, match="scale=tpu"):
+        config_name("zero_memory", "tpu")
+    with pytest.raises(ConfigError, match="no experiment named nope"):
+        experiment_module("nope")
+
+
+def test_command_line_sweep_replaces_the_configs():
+    jobs = sweep_jobs("zero_memory", ["launcher.nproc_per_node=2,4", "parallelism=ddp,zero3"])
+    assert jobs == [
+        ["parallelism=ddp", "launcher.nproc_per_node=2"],
+        ["parallelism=ddp", "launcher.nproc_per_node=4"],
+        ["parallelism=zero3", "launcher.nproc_per_node=2"],
+        ["parallelism=zero3", "launcher.nproc_per_node=4"],
+    ]
+
+
+def test_verdict_bounds():
+    assert verdict(1.09, 1.0, 0.1) == HOLDS
+    assert verdict(1.11, 1.0, 0.1) == DOES_NOT_HOLD
+    assert verdict(0.3, (0.36, 0.39), 0.1) == DOES_NOT_HOLD
+    assert verdict(0.37, (0.36, 0.39), 0.0) == HOLDS
+
+
+def test_a_real_sweep_runs_records_a_failed_job_and_reports(tmp_path, text_corpus):
+    """One job trains one step; the other is refused before any rank starts (seq_len over
+    the model's maximum): the sweep goes on, error.txt names the reason, the report marks it."""
+    sweep_dir = tmp_path / "sweep"
+    got = run_sweep(
+        "grad_accumulation",
+        [
+            "train={micro_batch_size:2,grad_accum_steps:1}",
+            "data.seq_len=32,100000",
+            "train.max_steps=1",
+            "data.val_samples=2",
+            "data=files",
+            f"data.path={text_corpus}",
+            "logger=none",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+    )
+    assert got == sweep_dir
+    ok, refused = load_jobs(sweep_dir)
+    assert not ok.failed and ok.summary["steps"] == 1
+    assert refused.failed
+    assert "seq_len=100000" in (refused.dir / ERROR_FILE).read_text()
+    report = write_report(sweep_dir).read_text()
+    assert "FAILED: error: data.seq_len=100000" in report
+    assert (sweep_dir / "grad_accumulation.png").stat().st_size > 0
+
+
+# ---- fixture sweeps -------------------------------------------------------------------
+def _sweep(tmp_path: Path, experiment: str) -> Path:
+    sweep = tmp_path / experiment
+    sweep.mkdir()
+    multirun = {"hydra": {"runtime": {"choices": {"experiment": experiment}}}}
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump(multirun))
+    return sweep
+
+
+def _job(sweep: Path, num: int, overrides, config, summary=None, metrics=(), error=None):
+    d = sweep / str(num)
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
+    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    if summary is not None:
+        (d / "summary.json").write_text(json.dumps(summary))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    if error:
+        (d / ERROR_FILE).write_text(error + "\n")
+
+
+def _rows(tables, title):
+    return next(t for t in tables if t.title == title).rows
+
+
+PHI = 1000
+
+
+def _zero_summary(params, grads, states, comm):
+    peak = {"params": params, "grads": grads, "optimizer_states": states, "phase": "backward"}
+    return {
+        "n_params": PHI,
+        "precision": "bf16",
+        "device": "cpu",
+        "memory_peak": [peak],
+        "model_state_bytes": [{"params": params, "grads": grads, "optimizer_states": states}],
+        "comm_bytes_per_step": [comm],
+        "final_train_loss": 5.0,
+        "hardware": {"cpu": "test", "cpu_count": 2},
+    }
+
+
+def test_zero_memory_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "zero_memory")
+
+    def cfg(name, n, stage=0):
+        return {
+            "parallelism": {"name": name, "zero_stage": stage},
+            "launcher": {"nproc_per_node": n},
+        }
+
+    # ddp, N=2: fp32 params and grads + AdamW = 16Φ; all-reduce of Φ fp32 elements = 2Φ.
+    _job(
+        sweep,
+        0,
+        ["parallelism=ddp", "launcher.nproc_per_node=2"],
+        cfg("ddp", 2),
+        _zero_summary(4 * PHI, 4 * PHI, 8 * PHI, {"all_reduce": 4 * PHI}),
+    )
+    # zero3 at N=2 holding 16Φ, as if nothing were partitioned: 16Φ/N = 8Φ does not hold.
+    _job(
+        sweep,
+        1,
+        ["parallelism=zero3", "launcher.nproc_per_node=2"],
+        cfg("zero3", 2),
+        _zero_summary(
+            2 * PHI, 2 * PHI, 12 * PHI, {"all_gather": 4 * PHI, "reduce_scatter": 4 * PHI}
+        ),
+    )
+    _job(
+        sweep,
+        2,
+        ["parallelism=deepspeed2", "launcher.nproc_per_node=2"],
+        cfg("deepspeed", 2, 2),
+        error="error: the rank died",
+    )
+    tables = experiment_module("zero_memory").report(load_jobs(sweep))
+    memory = _rows(tables, "Model states per rank at the peak")
+    assert [r[-1] for r in memory[:2]] == [HOLDS, DOES_NOT_HOLD]
+    assert memory[1][2:5] == ("16Φ", "8Φ", "2.00")
+    assert memory[2][-1].startswith(NOT_COMPARABLE) and "failed" in memory[2][-1]
+    assert "stage 2" in memory[2][1]  # deepspeed's stage read from parallelism.zero_stage
+    comm = _rows(tables, "Communication per step")
+    # ddp: 4Φ bytes of fp32 all-reduce = Φ elements, counted twice: 2Φ.
+    assert comm[0][2:4] == ("2Φ", "2Φ") and comm[0][-1] == HOLDS
+    # zero3: bf16 all-gather Φ·4 bytes = 2Φ elements + fp32 reduce-scatter Φ = 3Φ.
+    assert comm[1][2:4] == ("3Φ", "3Φ") and comm[1][-1] == HOLDS
+    figure1 = _rows(tables, "Figure 1: 7.5B parameters on 64 ranks")
+    assert [r[-1] for r in figure1] == [HOLDS] * 4
+
+    report = write_report(sweep, log_wandb=False).read_text()
+    assert "FAILED: error: the rank died" in report
+    assert "| stage3_memory | zero3, N=2 (stage 3) | 16Φ | 8Φ | 2.00 | does not hold |" in report
+    assert (sweep / "zero_memory.png").stat().st_size > 0
+
+
+def test_grad_accumulation_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "grad_accumulation")
+
+    def run(k, losses, grads=4 * PHI):
+        cfg = {"train": {"grad_accum_steps": k, "micro_batch_size": 8 // k}}
+        summary = {"model_state_bytes": [{"grads": grads}], "final_train_loss": losses[-1]}
+        metrics = [{"step": s + 1, "loss": v} for s, v in enumerate(losses)]
+        return cfg, summary, metrics
+
+    base = [5.0, 4.5, 4.0]
+    _job(sweep, 0, ["train={k:1}"], *run(1, base))
+    _job(sweep, 1, ["train={k:2}"], *run(2, [v * (1 + 1e-5) for v in base]))
+    _job(sweep, 2, ["train={k:4}"], *run(4, [5.0, 4.5, 4.04], grads=8 * PHI))
+    _job(sweep, 3, ["train={k:8}"], {"train": {"grad_accum_steps": 8, "micro_batch_size": 1}})
+    tables = experiment_module("grad_accumulation").report(load_jobs(sweep))
+    loss = _rows(tables, "Loss curves against one large batch")
+    assert [r[-1] for r in loss[:2]] == [HOLDS, DOES_NOT_HOLD]
+    assert loss[1][2] == "1.01"  # the step furthest from the k=1 curve
+    assert loss[2][-1].startswith(NOT_COMPARABLE)
+    memory = _rows(tables, "Gradient memory against k")
+    assert [r[-1] for r in memory[:2]] == [HOLDS, DOES_NOT_HOLD]
+    counter = _rows(tables, "Counter-example: the per-micro-batch mean")
+    # per k: ours (per token over the whole batch) holds, the mean of means does not
+    assert [r[-1] for r in counter] == [HOLDS, DOES_NOT_HOLD] * 3
+
+
+def test_activation_recompute_report_on_cpu(tmp_path):
+    sweep = _sweep(tmp_path, "activation_recompute")
+    s, b = 128, 4
+    args = model_args("gpt2-tiny", dropout=0.1)
+    prec = resolve_precision("bf16", torch.device("cpu"))
+
+    def run(policy, step_time, per_layer=None):
+        cfg = {
+            "recompute": {"name": policy},
+            "model": {"name": "gpt2-tiny", "dropout": 0.1},
+            "data": {"seq_len": s},
+            "train": {"micro_batch_size": b},
+            "precision": {"name": "bf16"},
+            "attention": {"backend": "eager"},
+        }
+        if per_layer is None:
+            per_layer = sum(
+                layer_terms(args, b, s, prec, backend="eager", recompute=policy).values()
+            )
+        summary = {"device": "cpu", "activation_bytes_per_layer": [per_layer, per_layer]}
+        metrics = [{"step": i, "step_time_s": step_time} for i in range(1, 6)]
+        return cfg, summary, metrics
+
+    h = args.d_model
+    _job(sweep, 0, ["recompute=none"], *run("none", 1.0))
+    _job(sweep, 1, ["recompute=full"], *run("full", 1.37, per_layer=2 * s * b * h))
+    _job(sweep, 2, ["recompute=selective"], *run("selective", 1.05, per_layer=99 * s * b * h))
+    tables = experiment_module("activation_recompute").report(load_jobs(sweep))
+    memory = _rows(tables, "Activation bytes per layer")
+    by_claim = {(r[0], r[1].split(",")[0]): r[-1] for r in memory}
+    assert by_claim[("our_formula", "none")] == HOLDS  # measured = our formula, exactly
+    assert by_claim[("full_bytes", "full")] == HOLDS  # 2·s·b·h
+    assert by_claim[("selective_bytes", "selective")] == DOES_NOT_HOLD  # 99 vs 34 s·b·h
+    overhead = _rows(tables, "Step-time overhead over none")
+    assert [r[2] for r in overhead if r[0] != "none"] == ["0.37", "0.05"]
+    assert all(r[-1].startswith(f"{NOT_COMPARABLE}: CPU") for r in overhead if r[0] != "none")
+
+
+def test_report_logs_tables_and_images_to_the_sweeps_wandb_group(tmp_path, monkeypatch):
+    logged, inits = {}, []
+
+    class Run:
+        def log(self, d):
+            logged.update(d)
+
+        def finish(self):
+            logged["finished"] = True
+
+    fake = types.SimpleNamespace(
+        init=lambda **kw: inits.append(kw) or Run(),
+        Table=lambda columns, data: ("table", tuple(columns), len(data)),
+        Image=lambda path: ("image", Path(path).name),
+        Settings=lambda **kw: kw,
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    sweep = _sweep(tmp_path, "zero_memory")
+    config = {
+        "parallelism": {"name": "ddp", "zero_stage": 0},
+        "launcher": {"nproc_per_node": 2},
+        "logger": {"name": "wandb", "mode": "offline", "project": "p"},
+    }
+    summary = _zero_summary(4 * PHI, 4 * PHI, 8 * PHI, {"all_reduce": 4 * PHI})
+    summary["wandb"] = {"group": "multirun_experiments_zero_memory_x"}
+    _job(sweep, 0, ["parallelism=ddp"], config, summary)
+    write_report(sweep)
+    assert inits[0]["group"] == "multirun_experiments_zero_memory_x"
+    assert inits[0]["mode"] == "offline" and inits[0]["job_type"] == "report"
+    assert logged["model_states_per_rank_at_the_peak"][0] == "table"
+    assert logged["zero_memory"] == ("image", "zero_memory.png")
+    assert logged["finished"]
+
+
+def test_parallel_strategies_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "parallel_strategies")
+
+    def cfg(name):
+        return {"parallelism": {"name": name, "zero_stage": 0}, "launcher": {"nproc_per_node": 4}}
+
+    _job(
+        sweep,
+        0,
+        ["parallelism=ddp"],
+        cfg("ddp"),
+        _zero_summary(4 * PHI, 4 * PHI, 8 * PHI, {"all_reduce": 4 * PHI}),
+    )
+    # zero2 at N=4: 2Φ + 14Φ/4 = 5.5Φ, a 65.6% saving; its 2Φ of traffic equals DDP's.
+    _job(
+        sweep,
+        1,
+        ["parallelism=zero2"],
+        cfg("zero2"),
+        _zero_summary(
+            2 * PHI, PHI // 2, 3 * PHI, {"all_gather": 2 * PHI, "reduce_scatter": 4 * PHI}
+        ),
+    )
+    _job(sweep, 2, ["parallelism=fsdp"], cfg("fsdp"), error="error: killed")
+    tables = experiment_module("parallel_strategies").report(load_jobs(sweep))
+    memory = _rows(tables, "Memory saving against DDP")
+    assert [r[-1] for r in memory[:2]] == [HOLDS, HOLDS]
+    assert memory[1][2] == "0.65625"
+    assert memory[2][-1].startswith(NOT_COMPARABLE)
+    comm = _rows(tables, "Communication against DDP")
+    assert comm[0][2] == "1" and comm[0][-1] == DOES_NOT_HOLD  # "medium" yet DDP's volume
+    assert all(r[-1].startswith(NOT_COMPARABLE) for r in _rows(tables, "Scaling efficiency"))
+
+
+def test_mixed_precision_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "mixed_precision")
+
+    def run(name, val, params, scales=None, skipped=0):
+        summary = {
+            "device": "cpu",
+            "final_val_loss": val,
+            "skipped_steps": skipped,
+            "model_state_bytes": [{"params": params}],
+        }
+        metrics = [
+            {
+                "step": s,
+                "loss": 5.0 - s / 10,
+                "step_time_s": 0.1,
+                "loss_scale": (scales or [1.0] * 6)[s - 1],
+                "skipped": s in (2, 3) and skipped > 0,
+            }
+            for s in range(1, 7)
+        ]
+        return {"precision": {"name": name}}, summary, metrics
+
+    _job(sweep, 0, ["precision=fp32"], *run("fp32", 4.00, 4 * PHI))
+    _job(
+        sweep,
+        1,
+        ["precision=fp16"],
+        *run("fp16", 4.04, 4 * PHI, [65536, 32768, 16384, 16384, 16384, 16384], 2),
+    )
+    _job(sweep, 2, ["precision=bf16_pure"], *run("bf16_pure", 4.20, 2 * PHI))
+    tables = experiment_module("mixed_precision").report(load_jobs(sweep))
+    acc = _rows(tables, "Final validation loss against fp32")
+    assert [r[-1] for r in acc] == [HOLDS, DOES_NOT_HOLD]  # 1% inside 2%, 5% outside
+    mem = _rows(tables, "Parameter memory against fp32")
+    assert [r[-1] for r in mem] == [DOES_NOT_HOLD, HOLDS]  # fp16 keeps fp32 parameters
+    speed = _rows(tables, "Step time against fp32")
+    assert all(r[-1].startswith(f"{NOT_COMPARABLE}: CPU") for r in speed)
+    per = {r[0]: r for r in _rows(tables, "Per precision")}
+    assert per["fp16"][2:5] == (2, "65,536", "16,384")
+    write_report(sweep, log_wandb=False)
+    assert (sweep / "mixed_precision.png").stat().st_size > 0
+
+
+def test_optimizers_report_best_lr_and_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "optimizers")
+    jobs = [  # (optimizer, lr, final val loss or None: failed, state bytes per parameter)
+        ("adamw", 1e-3, 4.00, 8.0),
+        ("adamw", 3e-3, 3.90, 8.0),
+        ("lion", 3e-4, 3.95, 4.0),
+        ("lion", 1e-3, None, 4.0),
+        ("adafactor", 1e-2, 3.85, 0.2),
+    ]
+    for num, (opt, lr, val, state) in enumerate(jobs):
+        cfg = {"optimizer": {"name": opt, "lr": lr}}
+        overrides = [f"optimizer={opt}", f"optimizer.lr={lr}"]
+        if val is None:
+            _job(sweep, num, overrides, cfg, error="error: gradients were not finite")
+            continue
+        summary = {
+            "final_val_loss": val,
+            "final_train_loss": val,
+            "n_params": PHI,
+            "steps": 4,
+            "tokens_seen": 4000,
+            "model_state_bytes": [{"optimizer_states": state * PHI}],
+        }
+        # training loss reaches the final value at step 3 (or 4 for the worst)
+        metrics = [
+            {"step": s, "loss": val + (4 - s) * 0.5 * (s < 3), "step_time_s": 0.1}
+            for s in (1, 2, 3, 4)
+        ]
+        _job(sweep, num, overrides, cfg, summary, metrics)
+    tables = experiment_module("optimizers").report(load_jobs(sweep))
+    results = {r[0]: r for r in _rows(tables, "Each optimizer at its best learning rate")}
+    assert results["adamw"][1].startswith("0.003 at the grid's edge")
+    assert results["lion"][1].startswith("0.0003 ")
+    # averaged over 3 logged steps, AdamW reaches its own final loss at step 4 (1,000 tokens
+    # a step); Lion's 3.95 never reaches AdamW's 3.90
+    assert results["adamw"][4] == "4,000"
+    assert results["lion"][4] == "not reached"
+    claims = {(r[0], r[1]): r for r in _rows(tables, "Claims")}
+    assert claims[("lion_state", "lion")][-1] == HOLDS
+    assert claims[("lion_lr", "best lr on the grid")][2] == "10x"
+    assert claims[("lion_lr", "best lr on the grid")][-1] == HOLDS
+    assert claims[("adafactor_state", "adafactor")][-1] == HOLDS
+    assert claims[("no_gain", "lion vs adamw")][-1] == HOLDS
+    assert claims[("no_gain", "adafactor vs adamw")][-1] == DOES_NOT_HOLD  # 1.3% better
+    grid = {r[0]: r[1:] for r in _rows(tables, "Final validation loss over the grid")}
+    assert grid["lion"] == ("3.950", "failed", "-", "-")
+
+
+def test_flash_attention_report_verdicts(tmp_path):
+    sweep = _sweep(tmp_path, "flash_attention")
+    # eager: quadratic (x4 per doubling); sdpa: linear, 12x below eager at 2K, 24x at 4K
+    eager = {1024: 32e6, 2048: 128e6, 4096: 512e6}
+    flash = {1024: 5.33e6, 2048: 10.67e6, 4096: 21.3e6}
+    num = 0
+    for name, table in (("eager", eager), ("sdpa", flash)):
+        for t, b in table.items():
+            summary = {"device": "cpu", "memory_peak": [{"activations_attention": b}]}
+            metrics = [{"step": s, "step_time_s": 0.5} for s in (1, 2, 3)]
+            cfg = {"attention": {"backend": name}, "data": {"seq_len": t}}
+            _job(sweep, num, [f"attention={name}", f"data.seq_len={t}"], cfg, summary, metrics)
+            num += 1
+    tables = experiment_module("flash_attention").report(load_jobs(sweep))
+    growth = _rows(tables, "Attention's saved bytes per doubling of T")
+    assert [r[-1] for r in growth] == [HOLDS] * 4
+    saving = {r[1]: r for r in _rows(tables, "Memory saving of the flash kernel")}
+    assert saving["eager / sdpa, T=2048"][2] == "12x"
+    assert saving["eager / sdpa, T=2048"][-1] == HOLDS  # within 25% of 10x
+    assert saving["eager / sdpa, T=4096"][-1] == HOLDS
+    speed = _rows(tables, "Speed against eager")
+    assert all(r[-1].startswith(f"{NOT_COMPARABLE}: CPU") for r in speed)
+
+
+def test_an_interrupted_job_stops_the_sweep(tmp_path, monkeypatch):
+    """train.py exits 130 after Ctrl-C / SIGTERM: unlike a failure, no later job runs."""
+    calls = []
+
+    def interrupted(cfg):
+        calls.append(cfg.precision.name)
+        raise SystemExit(Interrupted.exit_code)
+
+    monkeypatch.setattr(runner, "_train_module", lambda: types.SimpleNamespace(main=interrupted))
+    sweep_dir = tmp_path / "sweep"
+    with pytest.raises(runner.SweepInterrupted) as exc:
+        run_sweep("mixed_precision", ["logger=none", f"hydra.sweep.dir={sweep_dir}"])
+    assert exc.value.sweep_dir == sweep_dir
+    assert calls == ["fp32"]
+    assert not (sweep_dir / "0" / ERROR_FILE).exists()
