@@ -53,7 +53,10 @@ def test_every_option_composes(group, option, tmp_path):
     # The group's own option name is carried into the typed config.
     if group == "model":
         assert cfg.model.name == option
-    if group in ("precision", "optimizer", "scheduler", "data", "recompute", "parallelism"):
+    if group == "parallelism" and option.startswith("deepspeed") and option[-1].isdigit():
+        # deepspeed1-3: DeepSpeed's engine at one stage, one option per stage for sweeps.
+        assert (cfg.parallelism.name, cfg.parallelism.zero_stage) == ("deepspeed", int(option[-1]))
+    elif group in ("precision", "optimizer", "scheduler", "data", "recompute", "parallelism"):
         assert getattr(cfg, group).name == option
     if group == "precision" and option in ("tf32", "fp8") and not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
