@@ -68,6 +68,30 @@ def run(tmp_path, name, text_corpus, cache_dir, *extra):
     return launch(cfg), out
 
 
+def padded_vocab_references(tmp_path_factory, text_corpus, cache_dir, steps: int, vocab: int):
+    """``reference(model) -> output directory``: one single-process run per model family,
+    made on first use, with the vocabulary padded as tensor parallel pads it (module-scoped
+    fixtures of the tensor-parallel tests)."""
+    runs = {}
+
+    def get(model: str):
+        if model not in runs:
+            tmp = tmp_path_factory.mktemp(f"reference_{model}")
+            runs[model] = run(
+                tmp,
+                "single",
+                text_corpus,
+                cache_dir,
+                f"model={model}",
+                f"model.vocab_size={vocab}",
+                "train.micro_batch_size=8",
+                f"train.max_steps={steps}",
+            )[1]
+        return runs[model]
+
+    return get
+
+
 def final_weights(out):
     """The model weights of a run's last checkpoint, read back with DCP."""
     ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]

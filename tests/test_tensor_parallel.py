@@ -17,6 +17,7 @@ from helpers import (
     assert_run_matches,
     compose_config,
     one_line,
+    padded_vocab_references,
     run,
     small_run_overrides,
     train_losses,
@@ -33,25 +34,7 @@ PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_corpus, cache_dir):
-    """One process per model family: ``reference(model) -> output directory``."""
-    runs = {}
-
-    def get(model: str):
-        if model not in runs:
-            tmp = tmp_path_factory.mktemp(f"tp_reference_{model}")
-            runs[model] = run(
-                tmp,
-                "single",
-                text_corpus,
-                cache_dir,
-                f"model={model}",
-                f"model.vocab_size={PADDED_VOCAB}",
-                "train.micro_batch_size=8",
-                f"train.max_steps={STEPS}",
-            )[1]
-        return runs[model]
-
-    return get
+    return padded_vocab_references(tmp_path_factory, text_corpus, cache_dir, STEPS, PADDED_VOCAB)
 
 
 def tp_run(tmp_path, name, text_corpus, cache_dir, model, *extra):

@@ -17,7 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import assert_run_matches, compose_config, read_metrics, run, small_run_overrides
+from helpers import (
+    assert_run_matches,
+    compose_config,
+    padded_vocab_references,
+    read_metrics,
+    run,
+    small_run_overrides,
+)
 from torch.distributed.tensor import DTensor
 
 from llm.config import ParallelismConfig
@@ -42,25 +49,7 @@ PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_corpus, cache_dir):
-    """One process per model family: ``reference(model) -> output directory``."""
-    runs = {}
-
-    def get(model: str):
-        if model not in runs:
-            tmp = tmp_path_factory.mktemp(f"tp_dp_reference_{model}")
-            runs[model] = run(
-                tmp,
-                "single",
-                text_corpus,
-                cache_dir,
-                f"model={model}",
-                f"model.vocab_size={PADDED_VOCAB}",
-                "train.micro_batch_size=8",
-                f"train.max_steps={STEPS}",
-            )[1]
-        return runs[model]
-
-    return get
+    return padded_vocab_references(tmp_path_factory, text_corpus, cache_dir, STEPS, PADDED_VOCAB)
 
 
 def dp_tp_overrides(strategy: str, model: str, sequence_parallel: bool, accum: int) -> list[str]:
