@@ -68,26 +68,28 @@ def run(tmp_path, name, text_corpus, cache_dir, *extra):
     return launch(cfg), out
 
 
-def padded_vocab_references(tmp_path_factory, text_corpus, cache_dir, steps: int, vocab: int):
-    """``reference(model) -> output directory``: one single-process run per model family,
-    made on first use, with the vocabulary padded as tensor parallel pads it (module-scoped
-    fixtures of the tensor-parallel tests)."""
+def reference_runs(tmp_path_factory, text_corpus, cache_dir, steps: int, *fixed: str):
+    """``reference(model, *extra) -> output directory``: one single-process run per model and
+    extra overrides, made on first use, with ``fixed`` overrides on every run (the
+    tensor-parallel tests pad the vocabulary as tp pads it); for module-scoped fixtures."""
     runs = {}
 
-    def get(model: str):
-        if model not in runs:
+    def get(model: str, *extra: str):
+        key = (model, *extra)
+        if key not in runs:
             tmp = tmp_path_factory.mktemp(f"reference_{model}")
-            runs[model] = run(
+            runs[key] = run(
                 tmp,
                 "single",
                 text_corpus,
                 cache_dir,
                 f"model={model}",
-                f"model.vocab_size={vocab}",
+                *fixed,
                 "train.micro_batch_size=8",
                 f"train.max_steps={steps}",
+                *extra,
             )[1]
-        return runs[model]
+        return runs[key]
 
     return get
 

@@ -15,6 +15,7 @@ from helpers import (
     assert_run_matches,
     compose_config,
     one_line,
+    reference_runs,
     run,
     small_run_overrides,
     train_losses,
@@ -32,25 +33,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_corpus, cache_dir):
     """One process per model shape: ``reference(model, *extra) -> output directory``."""
-    runs = {}
-
-    def get(model: str, *extra: str):
-        key = (model, *extra)
-        if key not in runs:
-            tmp = tmp_path_factory.mktemp("pp_reference")
-            runs[key] = run(
-                tmp,
-                "single",
-                text_corpus,
-                cache_dir,
-                f"model={model}",
-                "train.micro_batch_size=8",
-                f"train.max_steps={STEPS}",
-                *extra,
-            )[1]
-        return runs[key]
-
-    return get
+    return reference_runs(tmp_path_factory, text_corpus, cache_dir, STEPS)
 
 
 def pp_run(tmp_path, text_corpus, cache_dir, model, schedule, *extra, nproc=2, name="pp"):

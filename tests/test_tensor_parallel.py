@@ -17,7 +17,7 @@ from helpers import (
     assert_run_matches,
     compose_config,
     one_line,
-    padded_vocab_references,
+    reference_runs,
     run,
     small_run_overrides,
     train_losses,
@@ -34,7 +34,9 @@ PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_corpus, cache_dir):
-    return padded_vocab_references(tmp_path_factory, text_corpus, cache_dir, STEPS, PADDED_VOCAB)
+    return reference_runs(
+        tmp_path_factory, text_corpus, cache_dir, STEPS, f"model.vocab_size={PADDED_VOCAB}"
+    )
 
 
 def tp_run(tmp_path, name, text_corpus, cache_dir, model, *extra):

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from helpers import (
     assert_run_matches,
     compose_config,
-    padded_vocab_references,
     read_metrics,
+    reference_runs,
     run,
     small_run_overrides,
 )
@@ -49,7 +49,9 @@ PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_corpus, cache_dir):
-    return padded_vocab_references(tmp_path_factory, text_corpus, cache_dir, STEPS, PADDED_VOCAB)
+    return reference_runs(
+        tmp_path_factory, text_corpus, cache_dir, STEPS, f"model.vocab_size={PADDED_VOCAB}"
+    )
 
 
 def dp_tp_overrides(strategy: str, model: str, sequence_parallel: bool, accum: int) -> list[str]:
