@@ -72,9 +72,9 @@ def _twins():
     return model, copy.deepcopy(model)
 
 
-def _assert_same_weights(a: nn.Module, b: nn.Module, atol: float) -> None:
+def _assert_same_weights(a: nn.Module, b: nn.Module, atol: float, rtol: float = 0.0) -> None:
     for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(x, y, rtol=0, atol=atol, msg=name)
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=name)
 
 
 def test_lion_matches_lion_pytorch():
@@ -136,7 +136,9 @@ def test_lamb_with_bias_correction_matches_the_paper():
     ours = Lamb(param_groups(ours_model, 0.01), lr=1e-2, eps=1e-6, trust_clip=0.5)
     _replay(ours_model, ours, grads)
     _paper_lamb(ref_model, grads, lr=1e-2, wd=0.01, betas=(0.9, 0.999), eps=1e-6, clip=0.5)
-    _assert_same_weights(ours_model, ref_model, atol=1e-6)
+    # Our step folds the bias corrections into two scalars and the trust ratio into the
+    # update's coefficients: after 20 steps a few ulps apart (2.5 ulps of a weight near 4).
+    _assert_same_weights(ours_model, ref_model, atol=1e-7, rtol=1e-6)
 
 
 def _paper_sophia(model, grads, estimates, lr, wd, betas, rho, eps, k):

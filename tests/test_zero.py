@@ -238,10 +238,12 @@ def _norms_rank(rank: int, world: int, port: int, results) -> None:
             torch.device("cpu"),
         )
         strategy.build_optimizer(strategy.wrap(model), OptimizerConfig())
-        # The hook takes lists aligned with the optimizer's tensors, in param_groups order.
+        # The hook takes this rank's sums of squares of the optimizer's tensors, in
+        # param_groups order, and returns them summed over each whole parameter.
         tensors = [t for g in strategy.optimizer.param_groups for t in g["params"]]
         name_of = {id(t): piece.slot.name for piece, t in strategy.piece_params}
-        (norms,) = strategy.optimizer.whole_param_norms([tensors])
+        local = torch.stack([t.detach().float().square().sum() for t in tensors])
+        (norms,) = strategy.optimizer.whole_param_squares(local.view(1, -1)).sqrt()
         results[rank] = [
             (name_of[id(t)], float(norm), float(expected[name_of[id(t)]]))
             for t, norm in zip(tensors, norms, strict=True)

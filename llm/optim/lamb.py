@@ -14,10 +14,14 @@ plain Adam step, as the paper and NVIDIA's recipes do. The ``eps`` under ||u|| i
 pytorch-optimizer's, kept so that both give the same numbers.
 
 State: exp_avg and exp_avg_sq (8 bytes per fp32 element) and a 4-byte ``step`` per tensor,
-as torch's AdamW. The norms are over whole parameters: ``whole_param_norms`` (set by a
-strategy that shards parameters: our ZeRO for its flat pieces, FSDP for its dim-0 shards)
-sums the squares of every rank's part in one all-reduce for all parameters, both norms at
-once; without it the norms are local, which is right for whole tensors.
+as torch's AdamW. The step runs in two passes over cache-sized batches of pieces
+(llm/optim/chunks.py): the first updates the moments and sums, per parameter, the squares
+of w and of its direction u; the second computes u again from the new moments (cheaper on a
+CPU than keeping a model-sized u) and applies it scaled by the trust ratio. The norms are
+over whole parameters: ``whole_param_squares`` (set by a strategy that shards parameters:
+our ZeRO for its flat pieces, FSDP for its dim-0 shards) sums every rank's squares per
+parameter in one all-reduce, both norms at once; without it the sums are local, which is
+right for whole tensors.
 """
 
 from __future__ import annotations
@@ -27,20 +31,13 @@ from collections.abc import Callable
 
 import torch
 
+from llm.optim.chunks import batch_elements, pieces
 from llm.optim.tensors import with_grads
 
-# whole_param_norms(lists): each list aligned with the optimizer's params (in param_groups
-# order, None where a param has no gradient); returns each list's whole-parameter L2 norms.
-NormHook = Callable[[list[list[torch.Tensor | None]]], list[list[torch.Tensor | None]]]
-
-
-def local_norms(lists: list[list[torch.Tensor | None]]) -> list[list[torch.Tensor | None]]:
-    out = []
-    for tensors in lists:
-        present = [t for t in tensors if t is not None]
-        norms = iter(torch._foreach_norm(present, 2.0)) if present else iter(())
-        out.append([None if t is None else next(norms) for t in tensors])
-    return out
+# whole_param_squares(squares): squares[k, i] is this rank's sum of squares of the
+# optimizer's tensor i (in param_groups order) for quantity k (0: w, 1: u); returns the
+# same shape, each entry summed over every rank's part of tensor i's parameter.
+SquaresHook = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _init(p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -52,7 +49,7 @@ def _init(p: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class Lamb(torch.optim.Optimizer):
-    whole_param_norms: NormHook | None = None
+    whole_param_squares: SquaresHook | None = None
 
     def __init__(
         self,
@@ -82,62 +79,82 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Pass 1: Adam's direction u per parameter, every group; pass 2: one call for the
-        # norms of w and u over all parameters (one all-reduce when sharded); pass 3: apply.
-        work = []  # (group, params, updates, position in the flat param list)
-        positions, flat_index = [], 0
+        total = sum(len(g["params"]) for g in self.param_groups)
+        squares, adapted, first = None, [], 0
         for group in self.param_groups:
-            params, updates, where = self._directions(group, flat_index)
-            flat_index += len(group["params"])
-            work.append((group, params, updates))
-            positions.append(where)
-        weights: list[torch.Tensor | None] = [None] * flat_index
-        directions: list[torch.Tensor | None] = [None] * flat_index
-        for (_, params, updates), where in zip(work, positions, strict=True):
-            for i, p, u in zip(where, params, updates, strict=True):
-                weights[i], directions[i] = p, u
-        hook = self.whole_param_norms or local_norms
-        w_norms, u_norms = hook([weights, directions])
-        for (group, params, updates), where in zip(work, positions, strict=True):
+            params, grads, states = with_grads(
+                self, group, _init, ("step", "exp_avg", "exp_avg_sq")
+            )
+            where = [first + i for i, p in enumerate(group["params"]) if p.grad is not None]
+            first += len(group["params"])
             if not params:
                 continue
-            if group.get("kind", "matrix") != "vector":
-                ratios = _trust_ratios(
-                    torch.stack([w_norms[i] for i in where]),
-                    torch.stack([u_norms[i] for i in where]),
-                    group["trust_clip"],
-                    group["eps"],
-                )
-                torch._foreach_mul_(updates, ratios.to(updates[0].dtype).unbind())
-            torch._foreach_add_(params, updates, alpha=-group["lr"])
+            torch._foreach_add_(states["step"], 1.0)
+            t = states["step"][0].item()  # a CPU scalar, as torch's Adam keeps it: no device sync
+            rows = [params, grads, states["exp_avg"], states["exp_avg_sq"]]
+            if squares is None:
+                squares = torch.zeros(2, total, device=params[0].device)
+            limit = batch_elements(params[0].device)
+            scale, eps = _bias_correction(group, t)
+            adapt = group.get("kind", "matrix") != "vector"
+            for (p, g, m, v), owners in pieces(rows, limit):
+                _update_moments(m, v, g, group["betas"])
+                denom = _denominator(v, eps)
+                if not adapt:  # biases and norm gains: a plain Adam step, no second pass
+                    if group["weight_decay"]:
+                        torch._foreach_mul_(p, 1.0 - group["lr"] * group["weight_decay"])
+                    torch._foreach_addcdiv_(p, m, denom, value=-group["lr"] * scale)
+                    continue
+                u = torch._foreach_mul(p, group["weight_decay"])
+                torch._foreach_addcdiv_(u, m, denom, value=scale)
+                norms = torch.stack(torch._foreach_norm([*p, *u], 2.0)).view(2, len(p))
+                index = torch.tensor([where[o] for o in owners], device=squares.device)
+                squares.index_add_(1, index, norms.float().pow(2))
+            if adapt:
+                adapted.append((group, rows, where, scale, eps, limit))
+        if not adapted:
+            return loss
+        if self.whole_param_squares is not None:
+            squares = self.whole_param_squares(squares)
+        w_norms, u_norms = squares.sqrt()
+        # Pass 2: w <- w - lr * ratio * (wd * w + scale * m / denom), as one multiply of w
+        # and one addcdiv per piece, with the ratio folded into per-tensor scalars (a
+        # device-to-host copy of one float per parameter per step).
+        for group, rows, where, scale, eps, limit in adapted:
+            lr, wd = group["lr"], group["weight_decay"]
+            ratios = _trust_ratios(
+                w_norms[where], u_norms[where], group["trust_clip"], group["eps"]
+            )
+            ratios = ratios.tolist()
+            for (p, _, m, v), owners in pieces(rows, limit):
+                denom = _denominator(v, eps)
+                if wd:
+                    torch._foreach_mul_(p, [1.0 - lr * wd * ratios[o] for o in owners])
+                torch._foreach_addcdiv_(p, m, denom, [-lr * scale * ratios[o] for o in owners])
         return loss
 
-    def _directions(self, group: dict, first: int):
-        """u = Adam's direction + wd * w for ``group``'s params with a gradient, and their
-        positions in the flat list of the optimizer's params."""
-        params, grads, states = with_grads(self, group, _init, ("step", "exp_avg", "exp_avg_sq"))
-        where = [first + i for i, p in enumerate(group["params"]) if p.grad is not None]
-        if not params:
-            return [], [], []
-        beta1, beta2 = group["betas"]
-        m, v, steps = states["exp_avg"], states["exp_avg_sq"], states["step"]
-        torch._foreach_add_(steps, 1.0)
-        torch._foreach_mul_(m, beta1)
-        torch._foreach_add_(m, grads, alpha=1.0 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, value=1.0 - beta2)
-        denom = torch._foreach_sqrt(v)
-        if group["bias_correction"]:
-            t = steps[0].item()  # a CPU scalar, as torch's Adam keeps it: no device sync
-            torch._foreach_div_(denom, math.sqrt(1.0 - beta2**t))
-            torch._foreach_add_(denom, group["eps"])
-            torch._foreach_mul_(denom, 1.0 - beta1**t)
-        else:
-            torch._foreach_add_(denom, group["eps"])
-        updates = torch._foreach_div(m, denom)
-        if group["weight_decay"]:
-            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
-        return params, updates, where
+
+def _update_moments(m, v, g, betas) -> None:
+    beta1, beta2 = betas
+    torch._foreach_lerp_(m, g, 1.0 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+
+
+def _bias_correction(group: dict, t: float) -> tuple[float, float]:
+    """(scale, eps') with m_hat / (sqrt(v_hat) + eps) = scale * m / (sqrt(v) + eps'): the
+    corrections folded into two scalars, so that no op runs over the tensors for them."""
+    if not group["bias_correction"]:
+        return 1.0, group["eps"]
+    beta1, beta2 = group["betas"]
+    root = math.sqrt(1.0 - beta2**t)
+    return root / (1.0 - beta1**t), group["eps"] * root
+
+
+def _denominator(v, eps: float) -> list[torch.Tensor]:
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_add_(denom, eps)
+    return denom
 
 
 def _trust_ratios(w_norms, u_norms, clip: float, eps: float) -> torch.Tensor:

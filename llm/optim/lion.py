@@ -6,15 +6,17 @@ by exactly lr; one state tensor (the momentum), 4 bytes per fp32 parameter.
     w <- w - lr * sign(beta1 * m + (1 - beta1) * g)
     m <- beta2 * m + (1 - beta2) * g
 
-Element-wise, so it runs unchanged on any shard. The ops are ``torch._foreach_*`` over a
-whole param group, as torch's own optimizers do, in lion-pytorch's order of operations so
-that both give the same bits (tests/test_optim_algorithms.py).
+Element-wise, so it runs unchanged on any shard. The ops are ``torch._foreach_*``, as
+torch's own optimizers use, over a whole param group on a GPU and over cache-sized batches
+of pieces on a CPU (llm/optim/chunks.py), in lion-pytorch's order of operations so that
+both give the same bits (tests/test_optim_algorithms.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from llm.optim.chunks import batch_elements, pieces
 from llm.optim.tensors import with_grads
 
 
@@ -37,13 +39,14 @@ class Lion(torch.optim.Optimizer):
             if not params:
                 continue
             lr, wd, (beta1, beta2) = group["lr"], group["weight_decay"], group["betas"]
-            exp_avgs = states["exp_avg"]
-            if wd:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            update = torch._foreach_mul(exp_avgs, beta1)
-            torch._foreach_add_(update, grads, alpha=1.0 - beta1)
-            torch._foreach_sign_(update)
-            torch._foreach_add_(params, update, alpha=-lr)
-            torch._foreach_mul_(exp_avgs, beta2)
-            torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
+            rows = [params, grads, states["exp_avg"]]
+            for (p, g, m), _ in pieces(rows, batch_elements(params[0].device)):
+                if wd:
+                    torch._foreach_mul_(p, 1.0 - lr * wd)
+                update = torch._foreach_mul(m, beta1)
+                torch._foreach_add_(update, g, alpha=1.0 - beta1)
+                torch._foreach_sign_(update)
+                torch._foreach_add_(p, update, alpha=-lr)
+                torch._foreach_mul_(m, beta2)
+                torch._foreach_add_(m, g, alpha=1.0 - beta2)
         return loss

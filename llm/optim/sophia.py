@@ -11,7 +11,8 @@ Language Model Pre-training", Algorithm 3 with the Gauss-Newton-Bartlett estimat
 
 (The paper writes eta * clip(m / max(gamma h, eps), 1) with the clip bound rho; the official
 code and this one fold those into lr and rho as above.) State: m and h, 8 bytes per fp32
-element. Everything is element-wise, so it runs unchanged on shards; the estimate's extra
+element. Everything is element-wise, so it runs unchanged on shards, and in cache-sized batches of
+pieces on a CPU (llm/optim/chunks.py); the estimate's extra
 forward and backward is the GradientPass (llm/optim/gradient_pass.py) the strategy and the
 Trainer run, whose gradients are reduced over ranks like any step's.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from llm.optim.chunks import batch_elements, pieces
 from llm.optim.gradient_pass import sampled_loss
 from llm.optim.tensors import local, with_grads
 
@@ -57,17 +59,18 @@ class SophiaG(torch.optim.Optimizer):
             if not params:
                 continue
             lr, wd, (beta1, _) = group["lr"], group["weight_decay"], group["betas"]
-            m, h = states["exp_avg"], states["hessian"]
-            torch._foreach_mul_(m, beta1)
-            torch._foreach_add_(m, grads, alpha=1.0 - beta1)
-            if wd:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            denom = torch._foreach_mul(h, group["rho"])
-            torch._foreach_clamp_min_(denom, group["eps"])
-            ratio = torch._foreach_div(m, denom)
-            torch._foreach_clamp_min_(ratio, -1.0)
-            torch._foreach_clamp_max_(ratio, 1.0)
-            torch._foreach_add_(params, ratio, alpha=-lr)
+            rows = [params, grads, states["exp_avg"], states["hessian"]]
+            for (p, g, m, h), _ in pieces(rows, batch_elements(params[0].device)):
+                torch._foreach_mul_(m, beta1)
+                torch._foreach_add_(m, g, alpha=1.0 - beta1)
+                if wd:
+                    torch._foreach_mul_(p, 1.0 - lr * wd)
+                denom = torch._foreach_mul(h, group["rho"])
+                torch._foreach_clamp_min_(denom, group["eps"])
+                ratio = torch._foreach_div(m, denom)
+                torch._foreach_clamp_min_(ratio, -1.0)
+                torch._foreach_clamp_max_(ratio, 1.0)
+                torch._foreach_add_(p, ratio, alpha=-lr)
         return loss
 
     # ---- the gradient pass: the Gauss-Newton-Bartlett estimate ---------------------------

@@ -4,7 +4,7 @@ params of a group that have a gradient, with their state, as flat lists for ``_f
 Our optimizers compute on local tensors: a DTensor's ``to_local()`` is a view of this rank's
 shard, so in-place ops on it update the DTensor, and every op after that is a plain tensor
 op (no DTensor dispatch per op). Only LAMB's norms span ranks, and the strategy that shards
-provides them (``whole_param_norms``, llm/optim/lamb.py).
+provides them (``whole_param_squares``, llm/optim/lamb.py).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.models import WeightSource
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
-from llm.parallel.param_norms import summed_norms
+from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
@@ -149,8 +149,8 @@ class FSDPStrategy(SingleStrategy):
         # summed over the shard dimension (HSDP's replicas hold the same rows).
         shard_group = self.mesh.get_group("dp_shard" if self.mesh.ndim == 2 else 0)
         n = sum(len(g["params"]) for g in optimizer.param_groups)
-        optimizer.whole_param_norms = functools.partial(
-            summed_norms, owners=list(range(n)), n_params=n, device=self.device, group=shard_group
+        optimizer.whole_param_squares = functools.partial(
+            summed_squares, owners=list(range(n)), n_params=n, device=self.device, group=shard_group
         )
         return optimizer
 

@@ -153,7 +153,7 @@ class StrategyBase:
 # What each strategy's shards let an optimizer see (llm/optim/registry.py's layouts). Single
 # and DDP hold whole replicas: every layout. Our ZeRO (flat buckets cut anywhere) and FSDP
 # (dim-0 shards) run element-wise optimizers as they are, and give LAMB whole-parameter norms
-# through `whole_param_norms` (one all-reduce of two floats per parameter per step).
+# through `whole_param_squares` (one all-reduce of two floats per parameter per step).
 SHARDED_LAYOUTS = frozenset({ELEMENTWISE, PARAM_NORMS})
 WHY_NOT = {
     WHOLE_MATRICES: "its row/column statistics or Newton-Schulz products need whole matrices "

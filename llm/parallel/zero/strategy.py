@@ -42,7 +42,7 @@ from llm.config import OptimizerConfig
 from llm.memory import optimizer_state_tensors, state_bytes
 from llm.models import LocalSource, ModuleSource, WeightSource, materialize_from
 from llm.optim import GradientPass, optimizer_for_groups, optimizer_param_groups, wrap_optimizer
-from llm.parallel.param_norms import summed_norms
+from llm.parallel.param_norms import summed_squares
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
 from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
 from llm.parallel.tensor_parallel import tp_copies
@@ -159,8 +159,8 @@ class ZeroStrategy(StrategyBase):
         # parameter (slot) each of the optimizer's tensors, in param_groups order, is part of.
         slots = {id(s): i for i, s in enumerate(s for b in self._trainable for s in b.bucket.slots)}
         piece_of = {id(tensor): piece for piece, tensor in self.piece_params}
-        self.optimizer.whole_param_norms = functools.partial(
-            summed_norms,
+        self.optimizer.whole_param_squares = functools.partial(
+            summed_squares,
             owners=[slots[id(piece_of[id(t)].slot)] for g in groups for t in g["params"]],
             n_params=len(slots),
             device=self.device,
