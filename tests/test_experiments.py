@@ -476,3 +476,52 @@ def test_an_interrupted_job_stops_the_sweep(tmp_path, monkeypatch):
     assert exc.value.sweep_dir == sweep_dir
     assert calls == ["fp32"]
     assert not (sweep_dir / "0" / ERROR_FILE).exists()
+
+
+# ---- the Optuna learning-rate search ----------------------------------------------------
+def test_lr_search_uses_optunas_sweeper_over_a_log_interval_holding_every_default_lr():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import get_class
+
+    from llm.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", ["experiment=lr_search"], return_hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    assert get_class(sweeper._target_).__name__ == "OptunaSweeper"
+    assert sweeper.direction == "minimize"
+    assert sweeper.params["optimizer.lr"] == "tag(log, interval(1e-4, 3e-2))"
+    for path in sorted((conf / "optimizer").glob("*.yaml")):
+        lr = yaml.safe_load(path.read_text()).get("lr")
+        if lr is not None and path.stem != "sgd":
+            assert 1e-4 <= float(lr) <= 3e-2, path.stem
+
+
+@pytest.mark.slow
+def test_lr_search_runs_trials_and_writes_the_best_lr(tmp_path, text_corpus):
+    import subprocess
+
+    sweep_dir = tmp_path / "lr_search"
+    command = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "experiment=lr_search",
+        "optimizer=lion",
+        "hydra.sweeper.n_trials=2",
+        "train.max_steps=2",
+        "train.eval_every=2",
+        "data=files",
+        f"data.path={text_corpus}",
+        "logger=none",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    subprocess.run(command, check=True, cwd=Path(__file__).resolve().parents[1])
+    results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert 1e-4 <= results["best_params"]["optimizer.lr"] <= 3e-2
+    losses = [json.loads(p.read_text())["final_val_loss"] for p in sweep_dir.glob("*/summary.json")]
+    assert len(losses) == 2 and results["best_value"] == pytest.approx(min(losses))
