@@ -38,7 +38,7 @@ class TensorParallelDDP(FSDPStrategy):
             replicate(block, **policy)
         replicate(model, **policy)  # the rest: embeddings, final norm, head
         if weights is not None:
-            self._materialize_shards(model, weights)
+            self._materialize_shards(model, [model], weights)
         if self.cfg.count_comm:  # the hook sees each all-reduced buffer
             for module in (*model.layers, model):
                 module.set_all_reduce_hook(self.counter.all_reduce_hook)
