@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -91,6 +93,9 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(args.dropout)
         # recompute=selective sets it: the attention core is recomputed in backward.
         self.recompute_core = False
+        # Where the attention-probability dropout draws its masks: the default generators,
+        # or under tensor parallel this rank's stream (its heads are its own; tp_rng.py).
+        self.core_rng: Callable[[], AbstractContextManager] = nullcontext
 
     def forward(
         self, x: Tensor, docs: Documents | None = None, positions: Tensor | None = None
@@ -114,7 +119,8 @@ class Attention(nn.Module):
         # dropout with the RNG state restored, or the fused kernel) instead of keeping what
         # it saves.
         run_core = partial(checkpoint, core, use_reentrant=False) if self.recompute_core else core
-        y = run_core(q, k, v)  # (B, H, T, D)
+        with self.core_rng() if p > 0 else nullcontext():
+            y = run_core(q, k, v)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * a.head_dim)
         return self.resid_dropout(self.wo(y))
 
