@@ -7,6 +7,8 @@ and wrong where each tp rank holds different elements: its attention heads, and 
 sequence parallel its sequence shard (embedding and residual dropouts), which would all get
 rank 0's pattern. Those regions run inside ``RankStream.fork()`` (Megatron's
 ``get_cuda_rng_tracker().fork()``), on generator states of this tp rank's own.
+Under torch.compile each forked region (one dropout, or the attention core) runs eagerly
+between two graphs: Dynamo cannot trace generator states being swapped.
 
 The rank state is derived, not kept: ``fork`` draws one number from the shared CPU generator
 (equal on every tp rank, so the shared stream stays in step across them), seeds the default
@@ -19,7 +21,7 @@ files resume it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -56,6 +58,12 @@ class RankStream:
             for g, state in zip(generators, shared, strict=True):
                 g.set_state(state)
 
+    @torch.compiler.disable
+    def call(self, fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
+        """``fn(*args)`` inside ``fork()``; a clean graph break under torch.compile."""
+        with self.fork():
+            return fn(*args)
+
 
 class RankDropout(nn.Dropout):
     """nn.Dropout whose masks in training come from this tp rank's stream."""
@@ -67,8 +75,7 @@ class RankDropout(nn.Dropout):
     def forward(self, x: Tensor) -> Tensor:
         if not (self.training and self.p > 0):
             return super().forward(x)
-        with self.stream.fork():
-            return super().forward(x)
+        return self.stream.call(super().forward, x)
 
 
 def use_rank_streams(
@@ -78,7 +85,7 @@ def use_rank_streams(
     attention-probability dropout (local heads), and under sequence parallel the embedding
     and residual dropouts (sequence shards). The others keep the shared stream."""
     for block in blocks:
-        block.attention.core_rng = stream.fork
+        block.attention.core_call = stream.call
         if sequence_parallel:
             attention, mlp = block.attention, block.feed_forward
             attention.resid_dropout = RankDropout(attention.resid_dropout.p, stream)
