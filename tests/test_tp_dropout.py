@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from helpers import run, train_losses
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from llm.config import RecomputeConfig
 from llm.launch import free_port
@@ -194,29 +195,74 @@ def test_recompute_replays_the_rank_masks(ranks, family, sp, policy):
         assert any(not torch.allclose(grads["other seed"][n], g) for n, g in reference.items())
 
 
-def _masks_of(stream: RankStream) -> torch.Tensor:
-    with stream.fork():
-        return F.dropout(torch.ones(64, 64), DROPOUT) == 0
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
 
 
-def test_rank_stream_is_a_function_of_the_shared_stream():
-    """From the same shared state the two ranks' masks differ, each rank's masks are the
-    same again after restoring the state (what recompute and a resumed checkpoint do), and
-    a fork advances the shared stream by the same single draw on every rank, whatever ran
-    inside it."""
+def _states(device: str) -> list[torch.Tensor]:
+    """The shared stream: the CPU generator's state, and the accelerator's."""
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if device == "cuda" else [])
+
+
+def _restore(states: list[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state(states[1])
+
+
+def _dropped(rank: int, device: str) -> torch.Tensor:
+    stream = RankStream(rank, WORLD, device)
+    return stream.call(F.dropout, torch.ones(64, 64, device=device), DROPOUT) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rank_stream_is_a_function_of_the_shared_stream(device):
+    """From one shared state the two ranks' masks differ; each rank's masks come again after
+    the state is restored (what recompute and a resumed checkpoint do); and a fork advances
+    the shared stream by one CPU draw on every rank, whatever ran inside it (the
+    accelerator's shared state is left as it was)."""
     torch.manual_seed(0)
-    shared = torch.get_rng_state()
-    rank0 = _masks_of(RankStream(0, WORLD, "cpu"))
-    after_fork = torch.get_rng_state()
-    torch.set_rng_state(shared)
-    rank1 = _masks_of(RankStream(1, WORLD, "cpu"))
-    assert torch.equal(torch.get_rng_state(), after_fork)
+    shared = _states(device)
+    rank0 = _dropped(0, device)
+    after_fork = _states(device)
+    _restore(shared)
+    rank1 = _dropped(1, device)
+    assert all(torch.equal(a, b) for a, b in zip(_states(device), after_fork, strict=True))
     assert not torch.equal(rank0, rank1)
-    torch.set_rng_state(shared)
-    assert torch.equal(_masks_of(RankStream(0, WORLD, "cpu")), rank0)
-    torch.set_rng_state(shared)
+    _restore(shared)
+    assert torch.equal(_dropped(0, device), rank0)
+    _restore(shared)
     torch.randint(2**32 // WORLD, ())
-    assert torch.equal(torch.get_rng_state(), after_fork)
+    assert all(torch.equal(a, b) for a, b in zip(_states(device), after_fork, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_replays_the_rank_stream(device):
+    """torch.utils.checkpoint around a rank-stream dropout gives the gradient of the plain
+    call with the same seed (the model-level tests above cover CPU; this one the
+    accelerator's generator too)."""
+    stream = RankStream(1, WORLD, device)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return stream.call(F.dropout, x.sin(), DROPOUT).exp()
+
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        x = torch.randn(64, 64, device=device, requires_grad=True)
+        y = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+        y.sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert (grads[0] == 0).float().mean().item() == pytest.approx(DROPOUT, abs=0.03)
 
 
 def test_recompute_policies_cover_every_checkpointing_policy():
