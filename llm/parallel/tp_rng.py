@@ -5,7 +5,7 @@ draws the same masks. That is right where the activation is replicated over tp (
 stream without sequence parallel: the replicas must drop the same elements or they diverge),
 and wrong where each tp rank holds different elements: its attention heads, and under
 sequence parallel its sequence shard (embedding and residual dropouts), which would all get
-rank 0's pattern. Those regions run inside ``RankStream.fork()`` (Megatron's
+one pattern on every rank. Those regions run inside ``RankStream.fork()`` (Megatron's
 ``get_cuda_rng_tracker().fork()``), on generator states of this tp rank's own.
 Under torch.compile each forked region (one dropout, or the attention core) runs eagerly
 between two graphs: Dynamo cannot trace generator states being swapped.
@@ -59,7 +59,7 @@ class RankStream:
                 g.set_state(state)
 
     @torch.compiler.disable
-    def call(self, fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
+    def call(self, fn: Callable[..., Tensor], *args: object) -> Tensor:
         """``fn(*args)`` inside ``fork()``; a clean graph break under torch.compile."""
         with self.fork():
             return fn(*args)
