@@ -4,8 +4,8 @@ Every rank seeds torch's default generators alike (llm.run), so without more eve
 draws the same masks. That is right where the activation is replicated over tp (the residual
 stream without sequence parallel: the replicas must drop the same elements or they diverge),
 and wrong where each tp rank holds different elements: its attention heads, and under
-sequence parallel its sequence shard (embedding and residual dropouts), which would all get
-one pattern on every rank. Those regions run inside ``RankStream.fork()`` (Megatron's
+sequence parallel its sequence shard (embedding and residual dropouts): one mask pattern
+repeated on every rank. Those regions run inside ``RankStream.fork()`` (Megatron's
 ``get_cuda_rng_tracker().fork()``), on generator states of this tp rank's own.
 Under torch.compile each forked region (one dropout, or the attention core) runs eagerly
 between two graphs: Dynamo cannot trace generator states being swapped.
