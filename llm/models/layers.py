@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -91,6 +92,9 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(args.dropout)
         # recompute=selective sets it: the attention core is recomputed in backward.
         self.recompute_core = False
+        # Tensor parallel sets it (llm/parallel/tp_rng.py): core_call(core, q, k, v) runs the
+        # core on this rank's own dropout stream, since the heads it computes are its own.
+        self.core_call: Callable[..., Tensor] | None = None
 
     def forward(
         self, x: Tensor, docs: Documents | None = None, positions: Tensor | None = None
@@ -114,7 +118,10 @@ class Attention(nn.Module):
         # dropout with the RNG state restored, or the fused kernel) instead of keeping what
         # it saves.
         run_core = partial(checkpoint, core, use_reentrant=False) if self.recompute_core else core
-        y = run_core(q, k, v)  # (B, H, T, D)
+        if p > 0 and self.core_call is not None:
+            y = self.core_call(run_core, q, k, v)  # (B, H, T, D)
+        else:
+            y = run_core(q, k, v)
         y = y.transpose(1, 2).reshape(b, t, self.n_heads * a.head_dim)
         return self.resid_dropout(self.wo(y))
 

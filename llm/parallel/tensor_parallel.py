@@ -11,6 +11,9 @@
 - ``sequence_parallel``: norms and dropouts run on (B, T/tp, d) sequence shards; the
   all-reduces become an all-gather before the column split and a reduce-scatter after the
   row split (same bytes, 1/tp of the norm activations held).
+- dropout: where a rank's activation is its own (its attention heads; its sequence shard
+  under SP) masks come from a tp-rank stream, elsewhere from the stream all tp ranks share
+  (llm.parallel.tp_rng).
 
 Applied to the model on the meta device, before recompute, compile and data-parallel
 wrapping; materialisation then fills each rank's DTensor shards (llm.models.weights).
@@ -34,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from llm.errors import ConfigError
 from llm.models.args import ModelArgs
+from llm.parallel.tp_rng import RankStream, use_rank_streams
 
 __all__ = [
     "align_grads",
@@ -138,10 +142,12 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     sp = sequence_parallel
     parallelize_module(model, mesh, _root_plan(model, sp))
     layers = model.layers
-    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    for block in blocks:
         parallelize_module(block, mesh, _block_plan(model.args.family, sp))
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp
+    use_rank_streams(model, blocks, RankStream(mesh.get_local_rank(), tp, mesh.device_type), sp)
     model.tie_weights()  # the head's parameter was replaced: share the embedding's again
     return model
 
