@@ -11,12 +11,8 @@ clipping norms, 1e-4 relative + 1e-5 absolute on final weights.
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from helpers import assert_run_matches, read_metrics, reference_runs, run
-
-from llm.models import model_args, num_params
+from helpers import assert_run_matches, final_weights, read_metrics, reference_runs, run
 
 STEPS = 4
 
@@ -44,15 +40,66 @@ def dp_pp_run(tmp_path, text_corpus, cache_dir, strategy, *extra, nproc=4, name=
     )
 
 
+def stage_params(out) -> list[int]:
+    """Parameters of each stage of gpt2-tiny at pp=2, from the whole model's checkpoint: the
+    embeddings and block 0, then block 1, the final norm and the head (the tied copy)."""
+    weights = final_weights(out)
+    first = ("model.tok_embeddings.", "model.pos_embeddings.", "model.layers.0.")
+    n0 = sum(w.numel() for k, w in weights.items() if k.startswith(first))
+    return [n0, sum(w.numel() for w in weights.values()) - n0]
+
+
 def test_zero2_data_parallel_pipeline_matches_single_process(
     tmp_path, reference, text_corpus, cache_dir
 ):
     """zero2 reduce-scatters each micro-batch's gradients over the stage's dp group; the
     tied embedding's copies (their own bucket, split alike at both ends) add their shards.
-    Each rank holds its stage's parameters whole (working copy) and a half of its stage's
-    gradients and AdamW states: fp32, 4 + 4/2 + 8/2 bytes per parameter of the stage."""
-    summary, out = dp_pp_run(tmp_path, text_corpus, cache_dir, "zero2", "parallelism.pp_schedule=1f1b")
+    Each rank holds its stage's Φ_s parameters whole (the working copy, fp32 here) and half
+    of its stage's gradients and AdamW moments: 4Φ_s + 4Φ_s/2 + 8Φ_s/2 bytes, each bucket
+    padded to a multiple of the 2 dp ranks."""
+    summary, out = dp_pp_run(tmp_path, text_corpus, cache_dir, "zero2")
     assert (summary["dp_size"], summary["pp_size"]) == (2, 2)
     assert_run_matches(reference("gpt2-tiny"), out, STEPS)
-    memory = read_metrics(out)[-1]
-    print(json.dumps(memory, indent=1)[:3000])
+    phi = stage_params(out)
+    last = [m for m in read_metrics(out) if "loss" in m][-1]
+    for rank, peak in enumerate(last["memory_peak"]):  # ranks 0-1: stage 0, 2-3: stage 1
+        padding = peak["params"] - 4 * phi[rank // 2]
+        assert 0 <= padding < 1024, rank
+    # Rank 0's model state after the step (stage 0): half the working bytes each, the
+    # moments twice that, plus AdamW's step counters.
+    params, grads = last["memory/params_bytes"], last["memory/grads_bytes"]
+    assert params == 2 * grads and 0 <= params - 4 * phi[0] < 1024
+    assert 0 <= last["memory/optimizer_states_bytes"] - 2 * grads < 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "schedule"),
+    [("ddp", "1f1b"), ("zero1", "1f1b"), ("zero3", "1f1b"), ("zero3", "gpipe"), ("ddp", "gpipe")],
+)
+def test_data_parallel_pipelines_match_single_process(
+    tmp_path, reference, text_corpus, cache_dir, strategy, schedule
+):
+    """ddp: torch's replicate on each stage, all-reduced at the step's last backward;
+    zero1: the full gradient buckets reduce-scattered once, at the step's last backward;
+    zero3: blocks gathered per micro-batch, the head kept gathered until the step's last
+    backward (GPipe runs every forward before the first backward)."""
+    _, out = dp_pp_run(
+        tmp_path, text_corpus, cache_dir, strategy, f"parallelism.pp_schedule={schedule}"
+    )
+    assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+
+
+@pytest.mark.slow
+def test_zero1_pipeline_accumulates_loader_batches(tmp_path, reference, text_corpus, cache_dir):
+    """Two loader batches of 2 per dp rank and step (two schedule steps): zero1 reduces once,
+    after the second one's last backward."""
+    _, out = dp_pp_run(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        "zero1",
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=2",
+    )
+    assert_run_matches(reference("gpt2-tiny"), out, STEPS)
