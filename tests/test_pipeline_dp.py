@@ -103,3 +103,41 @@ def test_zero1_pipeline_accumulates_loader_batches(tmp_path, reference, text_cor
         "train.grad_accum_steps=2",
     )
     assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero2", "ddp"])
+def test_data_parallel_tensor_pipeline(tmp_path, reference, text_corpus, cache_dir, strategy):
+    """dp=2 x tp=2 x pp=2 on 8 ranks: each stage's part split by tensor parallel, our ZeRO
+    bucketing each DTensor's local block over the stage's dp group (ddp: replicate on the
+    dp sub-mesh). tp pads the vocabulary to 258; the reference is given that size."""
+    summary, out = dp_pp_run(
+        tmp_path, text_corpus, cache_dir, strategy, "parallelism.tp_size=2", nproc=8
+    )
+    assert (summary["dp_size"], summary["tp_size"], summary["pp_size"]) == (2, 2, 2)
+    assert_run_matches(reference("gpt2-tiny", "model.vocab_size=258"), out, STEPS)
+
+
+@pytest.mark.slow
+def test_zero_checkpoints_move_between_pipeline_and_one_process(
+    tmp_path, reference, text_corpus, cache_dir
+):
+    """A zero2 dp=2 x pp=2 run saved at step 2 resumes in one process, and a one-process
+    checkpoint resumes at zero2 dp=2 x pp=2: steps 3-4 equal the uninterrupted run either
+    way. The pieces are saved under the whole model's names, the head copy's optimizer
+    state under the embedding's."""
+    half = f"checkpoint.every={STEPS // 2}"
+    one_process = ("train.micro_batch_size=8", f"train.max_steps={STEPS}")
+    _, pp_out = dp_pp_run(tmp_path, text_corpus, cache_dir, "zero2", half, name="pp")
+    _, single_out = run(tmp_path, "single", text_corpus, cache_dir, *one_process, half)
+    step = f"step_{STEPS // 2:06d}"
+    resume_from_pp = f"checkpoint.resume={pp_out / 'checkpoints' / step}"
+    _, resumed_single = run(
+        tmp_path, "resumed_single", text_corpus, cache_dir, *one_process, resume_from_pp
+    )
+    resume_from_single = f"checkpoint.resume={single_out / 'checkpoints' / step}"
+    _, resumed_pp = dp_pp_run(
+        tmp_path, text_corpus, cache_dir, "zero2", resume_from_single, name="resumed_pp"
+    )
+    for out in (resumed_single, resumed_pp):
+        assert_run_matches(reference("gpt2-tiny"), out, STEPS, first_step=STEPS // 2 + 1)

@@ -72,6 +72,7 @@ class ZeroStrategy(StrategyBase):
         self.reducer: GradientReducer | None = None
         self._sync = True
         self.piece_params: list = []  # (Piece, the tensor the optimizer steps), in order
+        self.stage_group: dist.ProcessGroup | None = None
         self._sent: Counter[str] = Counter()
 
     # ---- set-up -----------------------------------------------------------------------
@@ -88,6 +89,8 @@ class ZeroStrategy(StrategyBase):
         # Under tensor parallel both read each DTensor's local block as the whole parameter.
         source = ModuleSource(model) if weights is None else LocalSource(weights, model)
         self.buffers = self._build_buffers(model, source, part and part.tied_half())
+        # The ranks a tp-split parameter's checkpoint pieces span (built by every rank at once).
+        self.stage_group = self.dims.stage_group if self.dims.tp_size > 1 else None
         if weights is not None:  # anything no bucket holds (none in our models) comes whole
             materialize_from(model, weights, self.device)
         self._buffers_of = {slot.param: buf for buf in self.buffers for slot in buf.bucket.slots}
