@@ -21,6 +21,11 @@ parameter's local block (its local tensor is a view of the bucket, so stage 3's 
 refill what the DTensor holds), every collective runs on the data-parallel group, and the
 clipping norm counts a tp-replicated element once (docs/parallel.md).
 
+Under pipeline parallel (one stage per rank) the buckets are the rank's PipelinePart's,
+over its stage's dp group; the pipeline runs each micro-batch's backward inside
+``_stage_backward`` (its ``grad_sync``), and a tied embedding copy is bucketed alone so the
+two ends' shards add up (docs/parallel.md, "Data parallel over each stage").
+
 Under fp16/bf16 the working parameters and gradients are 16-bit and the fp32 master copy
 lives only in the partitioned optimizer: 2Φ + 2Φ + 12Φ/N bytes per rank at stage 1 as the
 paper counts, plus the fp32 gradient shard (4Φ/N) and the buckets in flight. Layout:
