@@ -158,15 +158,23 @@ def _check_pp_schedule(p: ParallelismConfig) -> None:
 
 # Why a data-parallel strategy does not compose with pipeline parallel (docs/parallel.md).
 _NOT_WITH_PP = {
-    "ddp": "DDP's reducer expects one forward and one backward per micro-batch, not a "
-    "schedule's interleaved stages (fsdp is the supported dp dimension)",
     "deepspeed": "DeepSpeed pipelines through its own PipelineModule engine, not supported here",
-    **{
-        f"zero{s}": "our ZeRO's buckets are built for one forward and backward per micro-batch "
-        "of a whole model"
-        for s in (1, 2, 3)
-    },
 }
+
+
+def _check_pp_strategy(p: ParallelismConfig) -> None:
+    """The data-parallel strategies a pipeline composes with; our ZeRO reduces and gathers
+    one stage's buckets per rank (docs/parallel.md)."""
+    if p.name in _NOT_WITH_PP:
+        raise ConfigError(
+            f"parallelism={p.name} with pp_size={p.pp_size}: {_NOT_WITH_PP[p.name]}; use "
+            "parallelism=ddp, fsdp or zero1-3 for dp x pp, or single for pp alone"
+        )
+    if p.name.startswith("zero") and p.pp_schedule not in PP_SINGLE_STAGE:
+        raise ConfigError(
+            f"parallelism={p.name} with pp_schedule={p.pp_schedule}: our ZeRO buckets one "
+            "stage per rank; use pp_schedule=1f1b or gpipe, or parallelism=fsdp"
+        )
 
 
 @dataclass
@@ -236,12 +244,7 @@ class ParallelismConfig:
             )
         if self.pp_size > 1:
             _check_pp_schedule(self)
-            if self.name not in ("single", "fsdp"):
-                raise ConfigError(
-                    f"parallelism={self.name} with pp_size={self.pp_size}: "
-                    f"{_NOT_WITH_PP[self.name]}; use parallelism=fsdp for dp x pp, or single "
-                    "for pp alone"
-                )
+            _check_pp_strategy(self)
         if self.sequence_parallel and self.tp_size == 1:
             raise ConfigError(
                 "parallelism.sequence_parallel=true shards over tensor-parallel ranks; set "

@@ -167,8 +167,15 @@ def test_balanced_stages_and_placements():
         ),
         (["optimizer=sophia"], "its extra gradient pass is not run through the pipeline"),
         (["train.compile=true"], "the stage modules are not compiled here"),
-        (["parallelism=ddp"], "parallelism=ddp with pp_size=2"),
-        (["parallelism=zero2"], "parallelism=zero2 with pp_size=2"),
+        (
+            [
+                "parallelism=zero2",
+                "model.n_layers=4",
+                "parallelism.pp_schedule=interleaved_1f1b",
+                "parallelism.pp_virtual_stages=2",
+            ],
+            "our ZeRO buckets one stage per rank",
+        ),
         (["parallelism=deepspeed"], "parallelism=deepspeed with pp_size=2"),
         (
             ["launcher.nproc_per_node=4", "parallelism=single"],

@@ -12,7 +12,7 @@ from llm.models.freeze import freeze
 from llm.models.hf import from_hf, to_hf
 from llm.models.hf_source import HFSource
 from llm.models.shapes import MODEL_SHAPES, model_args
-from llm.models.transformer import Block, Transformer
+from llm.models.transformer import Block, Transformer, model_blocks
 from llm.models.weights import (
     InitSource,
     LocalSource,
@@ -47,6 +47,7 @@ __all__ = [
     "materialize",
     "materialize_from",
     "model_args",
+    "model_blocks",
     "num_params",
     "param_name",
     "to_hf",

@@ -90,3 +90,10 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, docs, positions)
         return self.output(self.norm(h))  # (B, T, V)
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of ``model`` in order: ``model.layers``, a ModuleList, or a
+    pipeline part's ModuleDict keyed by block index; none for a model without them."""
+    layers = getattr(model, "layers", [])
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)

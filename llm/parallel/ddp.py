@@ -17,11 +17,12 @@ from llm.parallel.strategy import register_strategy
 
 @register_strategy("ddp")
 def ddp_strategy(cfg, dims, *args, **kwargs) -> SingleStrategy:
-    """torch's DDP; with tensor parallel, torch's FSDP2-style replicate (ddp_tp.py)."""
-    if dims.tp_size > 1:
-        from llm.parallel.ddp_tp import TensorParallelDDP
+    """torch's DDP; with tensor or pipeline parallel, torch's FSDP2-style replicate
+    (ddp_replicate.py)."""
+    if dims.tp_size > 1 or dims.pp_size > 1:
+        from llm.parallel.ddp_replicate import ReplicateDDP
 
-        return TensorParallelDDP(cfg, dims, *args, **kwargs)
+        return ReplicateDDP(cfg, dims, *args, **kwargs)
     return DDPStrategy(cfg, dims, *args, **kwargs)
 
 

@@ -49,7 +49,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
-from llm.models import WeightSource
+from llm.models import WeightSource, model_blocks
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
 from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
@@ -112,7 +112,7 @@ class FSDPStrategy(SingleStrategy):
         # modules a schedule runs, each with its blocks).
         roots = model.stages() if isinstance(model, PipelinePart) else [model]
         for root in roots:
-            blocks = _blocks(root)
+            blocks = model_blocks(root)
             for block in blocks:
                 fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, **shard)
             # The root (embeddings, final norm, output) is the last to run forward and the
@@ -168,11 +168,6 @@ class FSDPStrategy(SingleStrategy):
 
     def comm(self) -> dict[str, int]:
         return self.counter.take() | self.tp_comm()
-
-
-def _blocks(module: nn.Module) -> list[nn.Module]:
-    layers = module.layers
-    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 
 def _local_region(param: DTensor) -> list[tuple[int, int]]:

@@ -119,6 +119,17 @@ class ParallelDims:
             return dist.group.WORLD
         return self.mesh["dp_shard"].get_group()
 
+    @functools.cached_property
+    def stage_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's pipeline stage (its dp x tp ranks); the world without a
+        pipeline. Collective over the world the first time (every stage builds its group)."""
+        if self.pp_size == 1:
+            return dist.group.WORLD
+        group, _ = dist.new_subgroups_by_enumeration(
+            self.mesh.mesh.reshape(self.pp_size, -1).tolist()
+        )
+        return group
+
     def new_dp_group(self) -> dist.ProcessGroup:
         """A second process group over this rank's data-parallel ranks (a channel whose
         collectives are ordered apart from ``dp_group()``'s). Collective over the world:

@@ -47,7 +47,7 @@ from llm.optim import (
 )
 from llm.parallel.comm_counter import MeshCommCounter
 from llm.parallel.mesh import MESH_DIMS, ParallelDims
-from llm.parallel.pipeline import Pipeline, PipelinePart
+from llm.parallel.pipeline import GradSync, Pipeline, PipelinePart
 from llm.parallel.step import StepResult
 from llm.parallel.tensor_parallel import loss_parallel
 from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
@@ -109,9 +109,10 @@ class StrategyBase:
         self._mesh_counter: MeshCommCounter | None = None
         self.schedule: Pipeline | None = None
 
-    def _attach_pipeline(self, model: nn.Module) -> None:
+    def _attach_pipeline(self, model: nn.Module, grad_sync: GradSync | None = None) -> None:
         """Under pipeline parallel (``model`` is this rank's PipelinePart, materialised and
-        sharded), build the schedule that will run its stages."""
+        sharded), build the schedule that will run its stages; ``grad_sync``: the context
+        each micro-batch's backward runs in, for a strategy that reduces gradients itself."""
         if isinstance(model, PipelinePart):
             self.schedule = Pipeline(
                 model,
@@ -120,6 +121,7 @@ class StrategyBase:
                 self.device,
                 self.scaler,
                 self.cfg.count_comm,
+                grad_sync,
             )
 
     def loss_context(self, training: bool = True) -> AbstractContextManager:

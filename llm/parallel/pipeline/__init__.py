@@ -8,10 +8,11 @@ stage; ``schedule``: the schedule that runs a step's micro-batches (docs/paralle
 
 from llm.parallel.pipeline.layout import PipelineLayout, check_layout
 from llm.parallel.pipeline.modules import PipelinePart, Stage, part_weights
-from llm.parallel.pipeline.schedule import SCHEDULES, Pipeline
+from llm.parallel.pipeline.schedule import SCHEDULES, GradSync, Pipeline
 
 __all__ = [
     "SCHEDULES",
+    "GradSync",
     "Pipeline",
     "PipelineLayout",
     "PipelinePart",

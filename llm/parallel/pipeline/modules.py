@@ -75,6 +75,13 @@ class PipelinePart(nn.Module):
             if any(fnmatchcase(matched, pattern) for pattern in patterns):
                 param.requires_grad_(False)
 
+    def tied_half(self) -> nn.Parameter | None:
+        """This rank's copy of a tied embedding whose first and last stage are on different
+        ranks (the embedding with the first stage, the head copy with the last), else None."""
+        if not self.args.tie_embeddings or self.first == self.last:
+            return None  # untied, both ends here (one parameter), or neither end here
+        return self.tok_embeddings.weight if self.first else self.output.weight
+
     def weights(self, source: WeightSource) -> WeightSource:
         """``source`` with a tied head copy read from the embedding's initial values."""
         return _TiedCopySource(source) if self.tied_copy else source

@@ -7,12 +7,17 @@ micro-batch is the summed cross-entropy times the Trainer's ``scale`` (dp_size /
 target tokens), under the loss scaler, with ``scale_grads=False``: gradients come out
 exactly as the Trainer's own loop leaves them, and the loss sum it returns is the unscaled
 one (zero on ranks without the last stage).
+
+Data parallel over each stage's dp group: torch's stages hold back FSDP2's (and
+``replicate``'s) gradient reduction until a schedule step's last backward themselves; a
+strategy that reduces through its own hooks (our ZeRO) passes ``grad_sync``, the context
+each micro-batch's backward of a stage runs in, told whether it is the step's last.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch.distributed.pipelining import PipelineStage
@@ -44,6 +49,22 @@ SCHEDULES = {
 }
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# The context one micro-batch's backward runs in; its argument: the step's last backward.
+GradSync = Callable[[bool], AbstractContextManager]
+
+
+class _SyncedStage(PipelineStage):
+    """A stage whose every backward runs inside the strategy's ``grad_sync`` context; the
+    step's last is the last backward of the step's last loader batch."""
+
+    def __init__(self, *args, grad_sync: GradSync, last_batch: Callable[[], bool], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._grad_sync = grad_sync
+        self._last_batch = last_batch
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        with self._grad_sync(last_backward and self._last_batch()):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
 class Pipeline:
@@ -58,6 +79,7 @@ class Pipeline:
         device: torch.device,
         scaler: LossScaler,
         count_comm: bool = False,
+        grad_sync: GradSync | None = None,
     ) -> None:
         self.part = part
         self.dims = dims
@@ -67,14 +89,17 @@ class Pipeline:
         self.tied = TiedEmbeddings(part, dims)
         group = dims.pp_group()
         n_stages = part.layout.n_stages
+        self._last_batch = True  # the batch running now is the step's last
         self.stages = [
-            PipelineStage(
+            _SyncedStage(
                 module,
                 module.index,
                 n_stages,
                 device,
                 group=group,
                 get_mesh=lambda names, _layout: dims.mesh[names],
+                grad_sync=grad_sync or (lambda _last: nullcontext()),
+                last_batch=lambda: self._last_batch,
             )
             for module in part.stages()
         ]
@@ -138,7 +163,8 @@ class Pipeline:
         self.part.context = forward_context
         run = self.schedule.step if scale is not None else self.schedule.eval
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for input_ids, targets, _ in batches:
+        for i, (input_ids, targets, _) in enumerate(batches):
+            self._last_batch = i == len(batches) - 1
             # Every rank reads the batch; the first stage takes the ids, the last the targets.
             args = (input_ids,) if self.has_first else ()
             self._losses = []

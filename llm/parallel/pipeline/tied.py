@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline.modules import EMBEDDING, TIED_HEAD, PipelinePart
@@ -23,9 +22,9 @@ class TiedEmbeddings:
     ``param`` is None on ranks without one."""
 
     def __init__(self, part: PipelinePart, dims: ParallelDims) -> None:
-        self.param: nn.Parameter | None = None
+        self.param = part.tied_half()
         self.group: dist.ProcessGroup | None = None
-        self.head_copy = False  # this rank holds the head's copy (the last stage)
+        self.head_copy = part.tied_copy  # this rank holds the head's copy (the last stage)
         if not part.args.tie_embeddings or part.layout.stages_of(0)[-1] == part.layout.n_stages - 1:
             return  # untied, or rank 0 holds both ends (V-shaped): one parameter
         inner = dims.dp_size * dims.tp_size
@@ -35,11 +34,6 @@ class TiedEmbeddings:
             group = dist.new_group([j, last + j])
             if dims.rank in (j, last + j):
                 self.group = group
-        if part.first:
-            self.param = part.tok_embeddings.weight
-        elif part.last:
-            self.param = part.output.weight
-        self.head_copy = part.tied_copy
 
     def holds(self, param: torch.Tensor) -> bool:
         return self.param is not None and param is self.param
@@ -51,7 +45,13 @@ class TiedEmbeddings:
             return
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
-        dist.all_reduce(local_tensor(self.param.grad), group=self.group)
+        self.sum(local_tensor(self.param.grad))
+
+    def sum(self, grad: torch.Tensor) -> None:
+        """Add the other copy's ``grad`` to this one's, in place: the whole gradient, or a
+        slice both ends hold alike (our ZeRO's shard of the copy's own bucket)."""
+        if self.param is not None and self.param.requires_grad:
+            dist.all_reduce(grad, group=self.group)
 
     def rename(self, optim_state: dict, whole: bool) -> dict:
         """One process keys the shared parameter's optimizer state by the embedding's name:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llm.models import param_name
+from llm.models import model_blocks, param_name
 from llm.parallel.tensor_parallel import local_tensor
 
 ShapeOf = Callable[[nn.Parameter], torch.Size]
@@ -91,10 +91,13 @@ def build_buckets(
     bucket_numel: int,
     world: int,
     shape_of: ShapeOf = local_shape,
+    alone: nn.Parameter | None = None,
 ) -> list[Bucket]:
     """Pack ``(name, param, unit)`` in order into buckets; a new bucket starts when the
     current one would pass ``bucket_numel``, the unit changes or ``requires_grad`` does.
-    ``shape_of(param)``: what of the parameter this rank buckets."""
+    ``shape_of(param)``: what of the parameter this rank buckets. ``alone``: a parameter
+    given a bucket of its own (a pipeline's tied embedding copy: both copies then split
+    the same way over the dp ranks, and their reduced shards add up element by element)."""
     buckets: list[Bucket] = []
     for name, param, unit in named_params:
         shape = torch.Size(shape_of(param))
@@ -105,6 +108,8 @@ def build_buckets(
             or current.unit != unit
             or current.trainable != param.requires_grad
             or (current.numel and current.numel + numel > bucket_numel)
+            or param is alone
+            or any(slot.param is alone for slot in current.slots)
         ):
             current = Bucket(index=len(buckets), unit=unit, trainable=param.requires_grad)
             buckets.append(current)
@@ -123,13 +128,15 @@ def model_buckets(
     working_itemsize: int,
     world: int,
     shape_of: ShapeOf = local_shape,
+    alone: nn.Parameter | None = None,
 ) -> list[Bucket]:
     """The buckets of ``model`` (meta or materialised) under ZeRO ``stage`` on ``world``
     data-parallel ranks: the strategy builds its buffers from them and llm.estimate sizes
     them (a plain meta model, with tensor parallel's local shapes as ``shape_of``), so the
     estimate is this layout. Stage 3's gather units are the blocks in order, then the root
-    (everything outside ``model.layers``); stages 1-2 keep model order in one unit."""
-    blocks = list(getattr(model, "layers", []))
+    (everything outside ``model.layers``); stages 1-2 keep model order in one unit.
+    ``alone``: build_buckets'."""
+    blocks = model_blocks(model)
     root = len(blocks) if stage == 3 else 0
     unit_of = {}
     if stage == 3:
@@ -142,4 +149,4 @@ def model_buckets(
     if stage == 3:
         named.sort(key=lambda item: item[2])  # blocks in order, then the root
     bucket_numel = max(1, int(bucket_cap_mb * 2**20 / working_itemsize))
-    return build_buckets(named, bucket_numel, world, shape_of)
+    return build_buckets(named, bucket_numel, world, shape_of, alone)

@@ -12,7 +12,7 @@ A parameter of which this rank owns nothing is a ShardedTensor with no data here
 Under tensor parallel a piece is a flat range of the rank's DTensor block, placed at that
 block's offset in the whole parameter, so the keys and shapes are those of one process and
 of tensor parallel's own DTensor checkpoints. A tp-split parameter's ShardedTensor spans the
-world (every rank's pieces together cover it once); a tp-replicated one (norms, row-parallel
+ranks of its pipeline stage, the world without one (their pieces together cover it once); a tp-replicated one (norms, row-parallel
 biases) spans the dp group, and DCP writes the chunks the tp peers share once.
 
 After a load the 16-bit working shard is refreshed from the master, and under stages 1-2 the
@@ -89,7 +89,7 @@ def _placed(strategy, slot) -> tuple[list[int] | None, dist.ProcessGroup]:
     param = slot.param
     if not isinstance(param, DTensor) or tp_copies(param, strategy.dims.tp_size) > 1:
         return None, strategy.group
-    return local_region(param), dist.group.WORLD
+    return local_region(param), strategy.stage_group
 
 
 def checkpoint_state(strategy) -> dict:

@@ -21,6 +21,11 @@ parameter's local block (its local tensor is a view of the bucket, so stage 3's 
 refill what the DTensor holds), every collective runs on the data-parallel group, and the
 clipping norm counts a tp-replicated element once (docs/parallel.md).
 
+Under pipeline parallel (one stage per rank) the buckets are the rank's PipelinePart's,
+over its stage's dp group; the pipeline runs each micro-batch's backward inside
+``_stage_backward`` (its ``grad_sync``), and a tied embedding copy is bucketed alone so the
+two ends' shards add up (docs/parallel.md, "Data parallel over each stage").
+
 Under fp16/bf16 the working parameters and gradients are 16-bit and the fp32 master copy
 lives only in the partitioned optimizer: 2Φ + 2Φ + 12Φ/N bytes per rank at stage 1 as the
 paper counts, plus the fp32 gradient shard (4Φ/N) and the buckets in flight. Layout:
@@ -40,9 +45,10 @@ from torch.distributed.tensor import DTensor
 
 from llm.config import OptimizerConfig
 from llm.memory import optimizer_state_tensors, state_bytes
-from llm.models import LocalSource, ModuleSource, WeightSource, materialize_from
+from llm.models import LocalSource, ModuleSource, WeightSource, materialize_from, model_blocks
 from llm.optim import GradientPass, optimizer_for_groups, optimizer_param_groups, wrap_optimizer
 from llm.parallel.param_norms import summed_squares
+from llm.parallel.pipeline import PipelinePart, part_weights
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
 from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
 from llm.parallel.tensor_parallel import tp_copies
@@ -71,17 +77,25 @@ class ZeroStrategy(StrategyBase):
         self.reducer: GradientReducer | None = None
         self._sync = True
         self.piece_params: list = []  # (Piece, the tensor the optimizer steps), in order
+        self.stage_group: dist.ProcessGroup | None = None
         self._sent: Counter[str] = Counter()
 
     # ---- set-up -----------------------------------------------------------------------
     def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
         """``weights`` None: the model is materialised and its values are taken over; else
-        the model is on the meta device and each bucket reads only what this rank holds."""
-        blocks = list(getattr(model, "layers", []))
+        the model is on the meta device and each bucket reads only what this rank holds.
+        Under pipeline parallel ``model`` is this rank's PipelinePart (one stage): its
+        buckets, reduced and gathered over the stage's dp group."""
+        blocks = model_blocks(model)
         root = len(blocks) if self.stage == 3 else 0
+        part = model if isinstance(model, PipelinePart) else None
+        if weights is not None:
+            weights = part_weights(model, weights)
         # Under tensor parallel both read each DTensor's local block as the whole parameter.
         source = ModuleSource(model) if weights is None else LocalSource(weights, model)
-        self.buffers = self._build_buffers(model, source)
+        self.buffers = self._build_buffers(model, source, part and part.tied_half())
+        # The ranks a tp-split parameter's checkpoint pieces span (built by every rank at once).
+        self.stage_group = self.dims.stage_group if self.dims.tp_size > 1 else None
         if weights is not None:  # anything no bucket holds (none in our models) comes whole
             materialize_from(model, weights, self.device)
         self._buffers_of = {slot.param: buf for buf in self.buffers for slot in buf.bucket.slots}
@@ -104,14 +118,23 @@ class ZeroStrategy(StrategyBase):
         if self.stage == 3:
             units = [[b for b in self.buffers if b.bucket.unit == u] for u in range(root + 1)]
             self.gatherer = UnitGatherer(units, blocks, self.group, self.cfg.prefetch, self._count)
-            self.gatherer.install(model)
+            # A pipeline runs the part's stage, never the part itself.
+            self.gatherer.install(model if part is None else part.stages()[0])
         self.model = model
+        self._attach_pipeline(model, grad_sync=self._stage_backward)
         return model
 
-    def _build_buffers(self, model: nn.Module, source: WeightSource) -> list[BucketBuffers]:
+    def _build_buffers(
+        self, model: nn.Module, source: WeightSource, tied: nn.Parameter | None
+    ) -> list[BucketBuffers]:
         policy = self.precision
         buckets = model_buckets(
-            model, self.stage, self.cfg.bucket_cap_mb, policy.working_dtype.itemsize, self.world
+            model,
+            self.stage,
+            self.cfg.bucket_cap_mb,
+            policy.working_dtype.itemsize,
+            self.world,
+            alone=tied,
         )
         master_device = torch.device("cpu") if self.cfg.offload_optimizer else self.device
         return [
@@ -169,8 +192,18 @@ class ZeroStrategy(StrategyBase):
         return self.optimizer
 
     # ---- backward ---------------------------------------------------------------------
-    @contextlib.contextmanager
     def micro_batch(self, sync: bool):
+        return self._reducing(sync, release=True)
+
+    def _stage_backward(self, last: bool):
+        """One micro-batch's backward of this rank's pipeline stage (the schedule's
+        ``grad_sync``): reduced as ``micro_batch`` reduces, but stage 3 keeps the root
+        gathered until the step's ``last`` backward, since micro-batches whose forward
+        already ran (1F1B, GPipe) still need the head for their backward."""
+        return self._reducing(last, release=last)
+
+    @contextlib.contextmanager
+    def _reducing(self, sync: bool, release: bool):
         # Stage 1 keeps full gradients, so it can wait for the last micro-batch; stages 2
         # and 3 keep only a slice and must reduce every micro-batch.
         self._sync = sync or self.stage >= 2
@@ -183,7 +216,7 @@ class ZeroStrategy(StrategyBase):
             if self._sync:
                 self.reducer.finish()
         finally:
-            if self.gatherer is not None:
+            if release and self.gatherer is not None:
                 self.gatherer.free_all()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -212,20 +245,32 @@ class ZeroStrategy(StrategyBase):
         """The gradient shards, how many ranks hold each element, and the group to sum over.
         Without tensor parallel each element lives on exactly one dp rank; with it the
         pieces of a tp-replicated parameter (norms, row-parallel biases) repeat on every tp
-        rank, so each piece is counted with its own copies, summed over the world."""
-        if self.dims.tp_size == 1:
+        rank, so each piece is counted with its own copies, summed over the world. Under
+        pipeline parallel the sum runs over every stage too, and a tied embedding's two
+        copies count once."""
+        if self.dims.tp_size == 1 and self.schedule is None:
             return [buf.grad_shard for buf in self._trainable], 1, self.group
+        pp = self.schedule.grad_copies if self.schedule is not None else lambda _: 1
         grads, copies = [], []
         for buf in self._trainable:
             lo = buf.bucket.shard_range(self.rank)[0]
             for piece in buf.pieces:
                 grads.append(buf.grad_shard[piece.start - lo : piece.stop - lo])
-                copies.append(tp_copies(piece.slot.param, self.dims.tp_size))
+                param = piece.slot.param
+                copies.append(tp_copies(param, self.dims.tp_size) * pp(param))
         return grads, copies, dist.group.WORLD
+
+    def _sum_tied_grads(self) -> None:
+        """A pipeline's tied embedding copy has a bucket of its own (split alike at both
+        ends): its reduced shard plus the other end's is the shared parameter's gradient."""
+        tied = self.schedule.tied if self.schedule is not None else None
+        if tied is not None and tied.param is not None:
+            tied.sum(self._buffers_of[tied.param].grad_shard)
 
     def clip_and_step(self, max_norm: float) -> StepResult:
         # Norm, overflow check and clipping on the gradient shards where they were reduced
         # (the device: an offloaded optimizer gets its host copy after clipping).
+        self._sum_tied_grads()
         grads, replicas, group = self._norm_inputs()
         return overflow_checked_step(
             grads,
@@ -319,9 +364,15 @@ class ZeroStrategy(StrategyBase):
         return state_bytes(self.state_tensors())
 
     def state_dict(self) -> dict:
-        return state.checkpoint_state(self)
+        saved = state.checkpoint_state(self)
+        if self.schedule is not None:  # a tied head copy's state under the embedding's name
+            saved["optimizer"] = self.schedule.checkpoint_names(saved["optimizer"], whole=True)
+        return saved
 
     def load_state_dict(self, saved: dict) -> None:
+        if self.schedule is not None:
+            optim = self.schedule.checkpoint_names(saved["optimizer"], whole=False)
+            saved = {**saved, "optimizer": optim}
         state.restore_state(self, saved)
 
 
