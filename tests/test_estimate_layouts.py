@@ -169,11 +169,12 @@ def test_bloom_176b_published_layout_fits_384_gpus():
 
 
 @pytest.mark.parametrize(
-    "model,nodes,batch,tp,pp", [("gpt3-175b", 192, 1536, 8, 8), ("megatron-1t", 384, 3072, 8, 64)]
+    "model,nodes,batch,tp,pp", [("gpt3-175b", 192, 1536, 8, 12), ("megatron-1t", 384, 3072, 8, 64)]
 )
 def test_megatron_published_layouts_fit(model, nodes, batch, tp, pp):
     """Narayanan et al. 2021: plain data parallel (no ZeRO) x tp=8 x pp over 8-GPU nodes,
-    micro-batch 1, with activation recompute."""
+    micro-batch 1, with activation recompute. 175B: Table 2's PTD-P run (model-parallel size
+    96 = t 8 x p 12, batch 1536, on 1536 GPUs); 1T: Table 1's last row."""
     rows = _plan(model, nodes, batch)
     dp = nodes * 8 // (tp * pp)
     ours = _published(rows, dp, tp, pp, zero_stage=0, micro_batch=1, recompute="full")
