@@ -44,7 +44,7 @@ lint: $(STAMP) ## ruff
 bench: $(STAMP) ## our training step against transformers' GPT2LMHeadModel
 	$(PY) benchmarks/step_vs_transformers.py $(ARGS)
 
-bench-strategies: $(STAMP) ## DDP, our ZeRO-1/2/3, FSDP2, DeepSpeed on 2 and 4 ranks, one table
+bench-strategies: $(STAMP) ## DDP, our ZeRO-1/2/3, FSDP2, DeepSpeed, tp and pp rows on 2 and 4 ranks, one table
 	$(PY) benchmarks/strategies.py $(ARGS)
 
 bench-attention: $(STAMP) ## attention backends: time, TFLOP/s, memory vs T (table + plot)

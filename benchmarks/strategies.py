@@ -1,4 +1,5 @@
-"""DDP, our ZeRO-1/2/3, FSDP2 and DeepSpeed ZeRO-1/2/3 on one model and global batch, side by side.
+"""DDP, our ZeRO-1/2/3, FSDP2, DeepSpeed ZeRO-1/2/3 and tensor, pipeline and 2-D layouts on one
+model and global batch, side by side.
 
 Every (ranks, strategy) row is one `python train.py ...` with the same model, data, seed and
 global batch (micro_batch_size = global / ranks), so every strategy does the same work (the
@@ -18,11 +19,18 @@ tensor bytes, llm/memory/peak.py: rank 0's total, and by category with the phase
 in), the same tracker for every strategy, DeepSpeed included; and the payload of
 the collectives per step (all-reduce buffer, reduce-scatter input, all-gather output), also
 in the paper's units (elements per rank / Φ, an all-reduce counting twice: RS + AG).
+Layout rows (--layouts) put tensor parallel (tp=2, with and without sequence parallel),
+pipeline parallel (pp=2 under each schedule) and 2-D layouts (dp=2 x tp=2 under fsdp and
+zero1, tp=2 x pp=2) beside the data-parallel rows of the same rank count, in the same
+columns; they have no ZeRO formula (their bytes per rank depend on the stage and the tp
+split), and their comm Φ counts the data-parallel collectives only (tp and pp move
+activations, listed in the payload column). The default runs tp2 and pp2_1f1b.
 With --device cuda, one-rank rows compare fp32, tf32, bf16, fp16 and fp8 too; a precision
 the GPU refuses shows as n/a with the reason.
 
     python benchmarks/strategies.py                                 # CPU: 2 and 4 ranks, all
     python benchmarks/strategies.py --ranks 2 --strategies ddp,zero3,fsdp --steps 20
+    python benchmarks/strategies.py --layouts all                   # + every tp / pp / 2-D row
     python benchmarks/strategies.py --device cuda --ranks 1         # one GPU: + precisions
     python benchmarks/strategies.py --ranks 4 --set model.n_layers=8  # any train.py override
 """
@@ -68,15 +76,81 @@ STRATEGIES = {
 # stage 3 gathers the parameters twice (forward and backward) besides the reduce-scatter.
 PAPER_COMM_PHI = {0: 2, 1: 2, 2: 2, 3: 3}
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
-KIND_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC"}
+KIND_SHORT = {
+    "all_reduce": "AR",
+    "reduce_scatter": "RS",
+    "all_gather": "AG",
+    "broadcast": "BC",
+    "send_activations": "act",
+    "send_gradients": "grad",
+}
 MB = 1e6
 
 
 @dataclass(frozen=True)
+class Layout:
+    """A tensor-, pipeline- or 2-D parallel row: dp x tp x pp and its train.py overrides."""
+
+    dp: int
+    tp: int
+    pp: int
+    overrides: tuple[str, ...]
+
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+# Pipeline micro-batches per step: at pp=2 enough for every schedule, 2 stages per rank
+# included (1f1b needs >= pp, dualpipev >= 2 x pp, the interleaved ones a multiple of pp).
+PP_MICROBATCHES = 4
+TP2 = ("parallelism=single", "parallelism.tp_size=2")
+
+
+def _pp2(schedule: str, virtual_stages: int = 1) -> Layout:
+    return Layout(
+        1,
+        1,
+        2,
+        (
+            "parallelism=single",
+            "parallelism.pp_size=2",
+            f"parallelism.pp_schedule={schedule}",
+            f"parallelism.pp_virtual_stages={virtual_stages}",
+            f"parallelism.pp_microbatches={PP_MICROBATCHES}",
+        ),
+    )
+
+
+# name -> Layout; the 4-rank 2-D ones are conf/layout's options.
+LAYOUTS = {
+    "tp2": Layout(1, 2, 1, TP2),
+    "tp2_sp": Layout(1, 2, 1, (*TP2, "parallelism.sequence_parallel=true")),
+    "pp2_gpipe": _pp2("gpipe"),
+    "pp2_1f1b": _pp2("1f1b"),
+    "pp2_interleaved_1f1b": _pp2("interleaved_1f1b", 2),
+    "pp2_interleaved_zero_bubble": _pp2("interleaved_zero_bubble", 2),
+    "pp2_zbv_zero_bubble": _pp2("zbv_zero_bubble", 2),
+    "pp2_dualpipev": _pp2("dualpipev", 2),
+    "fsdp_dp2_tp2": Layout(2, 2, 1, ("layout=fsdp_dp2_tp2",)),
+    "zero1_dp2_tp2": Layout(2, 2, 1, ("layout=zero1_dp2_tp2",)),
+    "tp2_pp2": Layout(
+        1, 2, 2, ("layout=tp2_pp2", f"parallelism.pp_microbatches={PP_MICROBATCHES}")
+    ),
+}
+DEFAULT_LAYOUTS = "tp2,pp2_1f1b"  # one tensor- and one pipeline-parallel row by default
+
+
+@dataclass(frozen=True)
 class Job:
-    strategy: str  # a STRATEGIES key, or "single" for the precision rows
+    strategy: str  # a STRATEGIES or LAYOUTS key, or "single" for the precision rows
     ranks: int
     precision: str
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads global batch / dp sequences per step."""
+        return LAYOUTS[self.strategy].dp if self.strategy in LAYOUTS else self.ranks
 
 
 # ---- the formulas ---------------------------------------------------------------------
@@ -113,10 +187,27 @@ def formula(strategy: str, p: PrecisionPolicy, n: int, phi: int) -> dict:
     }
 
 
-def paper_comm_phi(job: Job) -> int:
+def paper_comm_phi(job: Job) -> int | None:
+    if job.strategy in LAYOUTS:
+        return None  # no ZeRO-paper figure for tensor or pipeline layouts
     if job.ranks == 1 or job.strategy not in STRATEGIES:
         return 0  # nothing to synchronise
     return PAPER_COMM_PHI[STRATEGIES[job.strategy][1]]
+
+
+def data_parallel_payloads(sent: dict[str, float]) -> dict[str, float]:
+    """The data-parallel collectives of a step: tensor- and pipeline-parallel ones are counted
+    under a mesh-dimension prefix (``tp.all_reduce``, ``pp.send_activations``) and move
+    activations, which the paper's Φ units do not describe."""
+    return {kind: payload for kind, payload in sent.items() if "." not in kind}
+
+
+def parallel_overrides(job: Job) -> tuple[str, ...]:
+    if job.strategy in STRATEGIES:
+        return STRATEGIES[job.strategy][0]
+    if job.strategy in LAYOUTS:
+        return LAYOUTS[job.strategy].overrides
+    return ("parallelism=single",)
 
 
 # ---- running one row ------------------------------------------------------------------
@@ -124,20 +215,17 @@ def overrides(a: argparse.Namespace, job: Job, run_dir: Path, measure: bool) -> 
     """The row's train.py overrides. ``measure`` False: the timing pass (no collective
     counting, no peak tracking: both cost step time); True: the measuring pass (counting on,
     the peak tracker on every step, --measure-steps steps)."""
-    parallel = (
-        STRATEGIES[job.strategy][0] if job.strategy in STRATEGIES else ("parallelism=single",)
-    )
     return [
-        *parallel,
+        *parallel_overrides(job),
         f"launcher.nproc_per_node={job.ranks}",
         f"precision={job.precision}",
         f"model={a.model}",
-        "data=stdlib",
+        f"data={a.data}",
         f"data.tokenizer={a.tokenizer}",
         f"data.seq_len={a.seq_len}",
         f"data.val_samples={a.val_samples}",
         f"train.device={a.device}",
-        f"train.micro_batch_size={a.global_batch // job.ranks}",
+        f"train.micro_batch_size={a.global_batch // job.dp}",
         "train.grad_accum_steps=1",
         f"train.max_steps={a.measure_steps if measure else a.steps}",
         "train.log_every=1",  # every step's step_time_s reaches metrics.jsonl
@@ -262,12 +350,14 @@ def read_run(a: argparse.Namespace, job: Job, run_dir: Path, measure: bool) -> d
         "n_params": phi,
         "model_state_bytes": summary["model_state_bytes"][0],
         "model_state_bytes_per_rank": summary["model_state_bytes"],
-        "formula_bytes": formula(job.strategy, policy, job.ranks, phi),
+        "formula_bytes": None
+        if job.strategy in LAYOUTS
+        else formula(job.strategy, policy, job.ranks, phi),
         "peak_memory_bytes": summary["peak_memory_bytes"],
         # Rank 0's highest step peak by category, from the one tracker every strategy shares.
         "memory_peak": summary["memory_peak"][0],
         "comm_bytes_per_step": sent,
-        "comm_phi": comm_phi(sent, policy, phi),
+        "comm_phi": comm_phi(data_parallel_payloads(sent), policy, phi),
         "paper_comm_phi": paper_comm_phi(job),
         "final_train_loss": summary["final_train_loss"],
         "hardware": summary.get("hardware"),
@@ -299,15 +389,26 @@ LEGEND = (
     "MB columns: measured on rank 0 [the ZeRO paper's formula, Φ = n_params]; vs ddp: step "
     "time / ddp's at the same rank count; others' CPU: cores that other processes used "
     "during the row (re-take rows where it is not ~0); comm: payload per step per rank "
-    "(AR all-reduce, RS reduce-scatter, AG all-gather); step peak: the peak tracker's "
-    "high-water mark of live tensor bytes in a training step (P params, G grads, O optimizer "
-    "states, A activations, other: buckets, temporaries); comm Φ: elements moved per rank / Φ "
-    "(an all-reduce counts twice); loss: final training loss (same data, same work)."
+    "(AR all-reduce, RS reduce-scatter, AG all-gather; tp: tensor parallel's, on the tp group; "
+    "pp act / grad: activations sent forward / gradients sent back over a stage boundary); "
+    "step peak: the peak tracker's high-water mark of live tensor bytes in a training step "
+    "(P params, G grads, O optimizer states, A activations, other: buckets, temporaries); "
+    "comm Φ: elements the data-parallel collectives move per rank / Φ (an all-reduce counts "
+    "twice); loss: final training loss (same data, same work). Layout rows (tp, pp, dp x tp, "
+    "tp x pp) have no ZeRO formula: rank 0's bytes depend on its stage and tp split."
 )
 
 
-def _mb(measured: float, expected: float) -> str:
+def _mb(measured: float, expected: float | None) -> str:
+    if expected is None:
+        return f"{measured / MB:.2f}"
     return f"{measured / MB:.2f} [{expected / MB:.2f}]"
+
+
+def _kind(kind: str) -> str:
+    """``all_reduce`` -> AR, ``tp.all_reduce`` -> tp AR, ``pp.send_activations`` -> pp act."""
+    prefix, _, base = kind.rpartition(".")
+    return f"{prefix} {KIND_SHORT.get(base, base)}".strip()
 
 
 def _peak_cells(peak: dict) -> str:
@@ -319,13 +420,14 @@ def strategy_cells(r: dict, ddp: dict | None) -> list[str]:
     head = [str(r["ranks"]), r["strategy"]]
     if not r["ok"]:
         return [*head, f"failed: {r['error']}", *[""] * (len(COLUMNS) - 3)]
-    ms, f = r["model_state_bytes"], r["formula_bytes"]
+    ms = r["model_state_bytes"]
+    f = r["formula_bytes"] or dict.fromkeys(("params", "grads", "optimizer_states", "total"))
     total = sum(ms.values())
     vs = f"{r['median_ms'] / ddp['median_ms']:.2f}x" if ddp and ddp.get("ok") else "-"
     sent = r["comm_bytes_per_step"]
-    comm = ", ".join(
-        f"{KIND_SHORT.get(k, k)} {v / MB:.2f}" for k, v in sorted(sent.items()) if v >= 1000
-    )
+    comm = ", ".join(f"{_kind(k)} {v / MB:.2f}" for k, v in sorted(sent.items()) if v >= 1000)
+    expr = f"{f['expr']} = {f['phi_per_rank']:.1f}Φ" if r["formula_bytes"] else "-"
+    paper = "-" if r["paper_comm_phi"] is None else f"{r['paper_comm_phi']}Φ"
     return [
         *head,
         f"{r['median_ms']:.0f}",
@@ -335,12 +437,12 @@ def strategy_cells(r: dict, ddp: dict | None) -> list[str]:
         _mb(ms["grads"], f["grads"]),
         _mb(ms["optimizer_states"], f["optimizer_states"]),
         _mb(total, f["total"]),
-        f"{f['expr']} = {f['phi_per_rank']:.1f}Φ",
+        expr,
         f"{r['peak_memory_bytes'] / MB:.2f}",
         _peak_cells(r["memory_peak"]),
         comm or "-",
         f"{r['comm_phi']:.2f}Φ",
-        f"{r['paper_comm_phi']}Φ",
+        paper,
         f"{r['final_train_loss']:.3f}",
     ]
 
@@ -419,6 +521,18 @@ def _strategies(text: str) -> list[str]:
     return out
 
 
+def _layouts(text: str) -> list[str]:
+    if text == "all":
+        return list(LAYOUTS)
+    if text == "none":
+        return []
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in LAYOUTS]
+    if bad:
+        raise SystemExit(f"--layouts: {bad} unknown; use all, none or some of {', '.join(LAYOUTS)}")
+    return names
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -428,7 +542,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(STRATEGIES),
         help="comma list; 'deepspeed' means deepspeed1,deepspeed2,deepspeed3",
     )
+    p.add_argument(
+        "--layouts",
+        default=DEFAULT_LAYOUTS,
+        help=f"tensor / pipeline / 2-D rows, each at its own rank count: a comma list of "
+        f"{', '.join(LAYOUTS)}; all; none (default {DEFAULT_LAYOUTS})",
+    )
     p.add_argument("--model", default=None, help="CPU default gpt2-mini, GPU gpt2-small")
+    p.add_argument("--data", default="stdlib", help="the data config group (default stdlib)")
     p.add_argument("--tokenizer", default="byte", help="data.tokenizer (byte: vocab 256)")
     p.add_argument("--seq-len", type=int, default=None, help="CPU default 256, GPU 1024")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (CPU 8)")
@@ -475,11 +596,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a.precision = a.precision or ("bf16" if gpu else "fp32")
     a.rank_counts = _ints(a.ranks)
     a.strategy_names = _strategies(a.strategies)
+    a.layout_names = _layouts(a.layouts)
     if a.steps <= a.warmup + 1:
         raise SystemExit(f"--steps={a.steps} must exceed --warmup={a.warmup} by at least 2")
     bad = [n for n in a.rank_counts if a.global_batch % n]
     if bad:
         raise SystemExit(f"--global-batch={a.global_batch} must divide by every rank count {bad}")
+    for name in a.layout_names:
+        layout = LAYOUTS[name]
+        micro = PP_MICROBATCHES if layout.pp > 1 else 1
+        if a.global_batch % (layout.dp * micro):
+            raise SystemExit(
+                f"--global-batch={a.global_batch} must divide into dp={layout.dp} x "
+                f"{micro} micro-batches for layout {name}; use a multiple of {layout.dp * micro}"
+            )
     return a
 
 
@@ -513,12 +643,19 @@ def machine(results: list[dict]) -> str:
         return out
 
 
+def jobs_of(a: argparse.Namespace) -> list[Job]:
+    """Strategy rows at each rank count, each count's layout rows after its strategies."""
+    jobs = [Job(name, n, a.precision) for n in a.rank_counts for name in a.strategy_names]
+    jobs += [Job(name, LAYOUTS[name].ranks, a.precision) for name in a.layout_names]
+    return sorted(jobs, key=lambda job: job.ranks)  # stable: the order above within a count
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
     root = Path(a.keep_runs) if a.keep_runs else Path(tempfile.mkdtemp(prefix="bench-strat-"))
     load_before = os.getloadavg()
     start = time.perf_counter()
-    jobs = [Job(name, n, a.precision) for n in a.rank_counts for name in a.strategy_names]
+    jobs = jobs_of(a)
     if a.device == "cuda":
         jobs += [Job("single", 1, name) for name in PRECISIONS]
     rows = [run_and_report(a, job, root) for job in jobs]
@@ -533,7 +670,8 @@ def main(argv: list[str] | None = None) -> None:
     results = [r for job, r in zip(jobs, rows, strict=True) if job.strategy != "single"]
     precision = [r for job, r in zip(jobs, rows, strict=True) if job.strategy == "single"]
     wall = time.perf_counter() - start
-    threads = ", ".join(f"{threads_per_rank(a, n)} at {n} ranks" for n in a.rank_counts)
+    counts = sorted({job.ranks for job in jobs if job.strategy != "single"})
+    threads = ", ".join(f"{threads_per_rank(a, n)} at {n} ranks" for n in counts)
     title = (
         f"{a.model}, global batch {a.global_batch} x seq {a.seq_len} ({a.tokenizer} tokens), "
         f"{a.precision}, {a.device}, median of steps {a.warmup + 1}-{a.steps}, threads per "
