@@ -41,6 +41,7 @@ def test_default_layouts_are_one_tensor_and_one_pipeline_row():
     assert any(bench.LAYOUTS[n].pp > 1 for n in names)
 
 
+@pytest.mark.slow  # six 2-rank launches: 139 s on the shared cores; the fast suite is full
 def test_tiny_run_puts_tp_and_pp_rows_beside_ddp(tmp_path, text_corpus, cache_dir):
     out = tmp_path / "bench.json"
     argv = [
