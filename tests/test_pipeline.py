@@ -249,19 +249,11 @@ def test_pipeline_times_tensor_parallel(tmp_path, reference, text_corpus, cache_
 def test_3d_fsdp_tensor_pipeline(tmp_path, reference, text_corpus, cache_dir):
     """dp=2 x tp=2 x pp=2 on 8 ranks: FSDP2 over the dp sub-mesh of each stage (each stage
     its own FSDP root), tensor parallel inside, each dp rank reading half the batch of 8."""
-    summary, out = pp_run(
-        tmp_path,
-        text_corpus,
-        cache_dir,
-        "gpt2-tiny",
-        "1f1b",
-        "parallelism=fsdp",
-        "parallelism.tp_size=2",
-        "train.micro_batch_size=4",
-        nproc=8,
-    )
+    extra = ("parallelism=fsdp", "parallelism.tp_size=2", "train.micro_batch_size=4")
+    summary, out = pp_run(tmp_path, text_corpus, cache_dir, "gpt2-tiny", "1f1b", *extra, nproc=8)
     assert (summary["dp_size"], summary["tp_size"], summary["pp_size"]) == (2, 2, 2)
     assert_run_matches(reference("gpt2-tiny", "model.vocab_size=258"), out, STEPS)
+    assert_stage_estimates(summary, *pp_overrides("gpt2-tiny", "1f1b", *extra, nproc=8))
 
 
 @pytest.mark.slow
@@ -313,11 +305,12 @@ def test_pipeline_bf16_tracks_one_process_in_bf16(tmp_path, reference, text_corp
     differs, which bf16 rounding magnifies: measured at most 2.9e-5 relative over these
     steps, so 1e-3 leaves room yet catches a wrong normalisation (the loss falls 9%)."""
     bf16 = "precision=bf16"
-    _, out = pp_run(tmp_path, text_corpus, cache_dir, "llama-tiny", "1f1b", bf16)
+    summary, out = pp_run(tmp_path, text_corpus, cache_dir, "llama-tiny", "1f1b", bf16)
     ref, got = train_losses(reference("llama-tiny", bf16)), train_losses(out)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-3), step
+    assert_stage_estimates(summary, *pp_overrides("llama-tiny", "1f1b", bf16))
 
 
 @pytest.mark.slow
@@ -327,17 +320,10 @@ def test_pipeline_accumulates_loader_batches_under_recompute(
     """Two loader batches of 4 per step (two schedule steps, gradients accumulating) with
     every block checkpointed (recompute wraps the part's blocks before the stages are
     built): the same step as one batch of 8 in one process."""
-    _, out = pp_run(
-        tmp_path,
-        text_corpus,
-        cache_dir,
-        "gpt2-tiny",
-        "1f1b",
-        "train.micro_batch_size=4",
-        "train.grad_accum_steps=2",
-        "recompute=full",
-    )
+    extra = ("train.micro_batch_size=4", "train.grad_accum_steps=2", "recompute=full")
+    summary, out = pp_run(tmp_path, text_corpus, cache_dir, "gpt2-tiny", "1f1b", *extra)
     assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+    assert_stage_estimates(summary, *pp_overrides("gpt2-tiny", "1f1b", *extra))
 
 
 @pytest.mark.slow
