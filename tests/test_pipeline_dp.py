@@ -95,9 +95,10 @@ def test_data_parallel_pipelines_match_single_process(
     zero3: blocks gathered per micro-batch, the head kept gathered until the step's last
     backward (GPipe runs every forward before the first backward). The estimate per stage
     equals what each rank measured; under ddp model states only: the weights the matmuls
-    and norms save are storages of ``replicate``'s apart from the parameters
-    ``strategy.memory()`` names, so the tracker counts them as activations (stage 0: 197,632
-    bytes over the formula, about block 0's weights), which the estimator does not model."""
+    and norms save are ``replicate``'s unsharded storages (FSDP2's machinery), not the
+    parameters ``strategy.memory()`` names, so the tracker counts them as activations
+    (stage 0: 197,632 bytes over the formula, about block 0's weights), which the estimator
+    does not model."""
     extra = f"parallelism.pp_schedule={schedule}"
     summary, out = dp_pp_run(tmp_path, text_corpus, cache_dir, strategy, extra)
     assert_run_matches(reference("gpt2-tiny"), out, STEPS)
