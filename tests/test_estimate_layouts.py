@@ -11,6 +11,7 @@ from helpers import compose_config
 from llm.errors import ConfigError
 from llm.estimate.activations import layer_terms, outside_terms
 from llm.estimate.cluster import Cluster
+from llm.estimate.estimator import estimate
 from llm.estimate.layout import (
     Layout,
     bubble,
@@ -21,6 +22,7 @@ from llm.estimate.layout import (
 )
 from llm.estimate.layout_estimate import Workload, estimate_layout
 from llm.estimate.plan import plan
+from llm.estimate.startup import announce_estimate
 from llm.memory.storage import local_shard
 from llm.models import build_model, model_args, num_params
 from llm.parallel.tensor_parallel import apply_tensor_parallel
@@ -189,3 +191,67 @@ def test_deepspeed_32_device_example_fits():
     rows = _plan("llama2-7b", 4, 256)
     ours = _published(rows, 2, 4, 4, zero_stage=1)
     assert ours and all(r.fits for r in ours if r.layout.recompute == "full")
+
+
+def _pp_cfg(*overrides):
+    return _cfg(
+        "model=gpt2-tiny",
+        "model.n_layers=5",
+        "data.seq_len=64",
+        "train.micro_batch_size=8",
+        "parallelism.pp_size=2",
+        "launcher.nproc_per_node=2",
+        "estimate.device=cpu",
+        *overrides,
+    )
+
+
+@pytest.mark.parametrize("schedule,m", [("1f1b", 4), ("gpipe", 2)])
+def test_pipeline_estimate_agrees_with_the_layout_arithmetic(schedule, m):
+    """llm.estimate under pp sizes each rank's real part (3 of 5 blocks and the embeddings
+    on stage 0; 2, the final norm and the tied head's copy on stage 1): its parameters equal
+    the cluster layout's closed form, its activations in-flight micro-batches of b = 8/m
+    through the stage's blocks and ends, and the largest stage is the one reported."""
+    cfg = _pp_cfg(f"parallelism.pp_schedule={schedule}", f"parallelism.pp_microbatches={m}")
+    args = model_args_for(cfg, vocab_size=257)
+    est = estimate(cfg, args)
+    lay = Layout(dp=1, pp=2, micro_batch=8 // m, microbatches=m, schedule=schedule)
+    policy = resolve_precision("fp32", torch.device("cpu"))
+    layer = sum(layer_terms(args, 8 // m, 64, policy).values())
+    outside = outside_terms(args, 8 // m, 64, policy)
+    lookups = sum(v for k, v in outside.items() if k.startswith(("embed", "pos_embed")))
+    ends = [lookups, sum(outside.values()) - lookups]
+    for r, stage in enumerate(est.stages):
+        assert stage.rank == r and stage.device["params"] == 4 * rank_params(args, lay, r)
+        per_micro_batch = rank_blocks(5, lay, r) * layer + ends[r]
+        assert stage.device["activations"] == in_flight(lay, r) * per_micro_batch
+    largest = max(est.stages, key=lambda s: s.total)
+    assert (est.rank, est.device) == (largest.rank, largest.device)
+
+
+def test_pipeline_estimate_of_an_unmodelled_schedule(capsys):
+    """llm.estimate refuses in one line; the startup estimate says so and the run goes on."""
+    cfg = _pp_cfg(
+        "model.n_layers=4",
+        "parallelism.pp_schedule=zbv_zero_bubble",
+        "parallelism.pp_virtual_stages=2",
+    )
+    with pytest.raises(ConfigError, match="estimator models pipeline schedules"):
+        estimate(cfg, model_args_for(cfg, vocab_size=257))
+    announce_estimate(cfg, 2)
+    assert (
+        "no estimate: the estimator does not model pp_schedule=zbv_zero_bubble"
+        in capsys.readouterr().out
+    )
+
+
+def test_startup_estimate_prints_every_stage(capsys):
+    cfg = _pp_cfg("parallelism.pp_microbatches=4")
+    announce_estimate(cfg, 2)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "estimate pipeline stage 0 (rank 0)",
+        "estimate pipeline stage 1 (rank 1)",
+        "estimate",
+    ]
+    assert "largest: pipeline stage" in lines[-1]

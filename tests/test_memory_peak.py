@@ -78,6 +78,18 @@ def test_gradients_made_during_backward_count_as_grads(setup):
     assert tracker.totals["grads"] == 4 * N
 
 
+def test_most_activations_are_kept_apart_from_the_peak(setup):
+    """The step's peak falls at the optimizer's temporary, after backward freed the
+    activations; activations_max is the most held at once (forward's two saved tensors),
+    per phase and for the step."""
+    weight, opt, tracker = setup
+    _step(weight, opt, tracker)
+    peak = _step(weight, opt, tracker, temp_elems=64 * N)
+    assert peak["phase"] == "optimizer_step" and peak["activations"] == 0
+    assert peak["activations_max"] == tracker.by_phase["forward"]["activations_max"] == 2 * 4 * N
+    assert tracker.by_phase["optimizer_step"]["activations_max"] == 0
+
+
 def test_activations_are_released_after_backward(setup):
     weight, opt, tracker = setup
     _step(weight, opt, tracker)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from helpers import (
     assert_run_matches,
+    assert_stage_estimates,
     compose_config,
     one_line,
     reference_runs,
@@ -36,12 +37,8 @@ def reference(tmp_path_factory, text_corpus, cache_dir):
     return reference_runs(tmp_path_factory, text_corpus, cache_dir, STEPS)
 
 
-def pp_run(tmp_path, text_corpus, cache_dir, model, schedule, *extra, nproc=2, name="pp"):
-    return run(
-        tmp_path,
-        name,
-        text_corpus,
-        cache_dir,
+def pp_overrides(model, schedule, *extra, nproc=2) -> list[str]:
+    return [
         f"model={model}",
         f"launcher.nproc_per_node={nproc}",
         "parallelism.pp_size=2",
@@ -49,24 +46,27 @@ def pp_run(tmp_path, text_corpus, cache_dir, model, schedule, *extra, nproc=2, n
         "train.micro_batch_size=8",
         f"train.max_steps={STEPS}",
         *extra,
-    )
+    ]
+
+
+def pp_run(tmp_path, text_corpus, cache_dir, model, schedule, *extra, nproc=2, name="pp"):
+    overrides = pp_overrides(model, schedule, *extra, nproc=nproc)
+    return run(tmp_path, name, text_corpus, cache_dir, *overrides)
 
 
 MICROBATCHES = 4
+GPT2_1F1B = (
+    "gpt2-tiny",
+    "1f1b",
+    f"parallelism.pp_microbatches={MICROBATCHES}",
+    "parallelism.count_comm=true",
+)
 
 
 @pytest.fixture(scope="module")
 def gpt2_1f1b(tmp_path_factory, text_corpus, cache_dir):
     """gpt2-tiny at pp=2 under 1f1b with 4 micro-batches, its sends counted."""
-    return pp_run(
-        tmp_path_factory.mktemp("pp_gpt2"),
-        text_corpus,
-        cache_dir,
-        "gpt2-tiny",
-        "1f1b",
-        f"parallelism.pp_microbatches={MICROBATCHES}",
-        "parallelism.count_comm=true",
-    )
+    return pp_run(tmp_path_factory.mktemp("pp_gpt2"), text_corpus, cache_dir, *GPT2_1F1B)
 
 
 def test_1f1b_matches_single_process(reference, gpt2_1f1b):
@@ -75,6 +75,13 @@ def test_1f1b_matches_single_process(reference, gpt2_1f1b):
     summary, out = gpt2_1f1b
     assert summary["pp_size"] == 2 and summary["dp_size"] == 1
     assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+
+
+def test_estimate_per_stage_equals_measured(gpt2_1f1b):
+    """Stage 0 holds the embeddings and block 0 with 2 micro-batches of 2 in flight, stage
+    1 block 1, the final norm, a copy of the tied head and the loss with 1."""
+    summary, _ = gpt2_1f1b
+    assert_stage_estimates(summary, *pp_overrides(*GPT2_1F1B))
 
 
 def test_stage_boundary_carries_bsh_per_microbatch(gpt2_1f1b):
@@ -100,10 +107,12 @@ def test_stage_boundary_carries_bsh_per_microbatch(gpt2_1f1b):
 def test_pipeline_matches_single_process(
     tmp_path, reference, text_corpus, cache_dir, model, schedule
 ):
-    """llama-tiny: untied head, RMSNorm, RoPE, GQA; 2 micro-batches (one per stage)."""
+    """llama-tiny: untied head, RMSNorm, RoPE, GQA; 2 micro-batches (one per stage). The
+    estimate per stage equals what each rank measured."""
     summary, out = pp_run(tmp_path, text_corpus, cache_dir, model, schedule)
     assert summary["pp_size"] == 2
     assert_run_matches(reference(model), out, STEPS)
+    assert_stage_estimates(summary, *pp_overrides(model, schedule))
 
 
 def test_balanced_stages_and_placements():
@@ -211,19 +220,13 @@ def test_multi_stage_schedules_match_single_process(
     tmp_path, reference, text_corpus, cache_dir, schedule
 ):
     """4 blocks as 4 stages, 2 per rank (looped: rank 0 runs stages 0 and 2; V-shaped: 0
-    and 3, so its embedding and head stay one tied parameter), 4 micro-batches."""
-    four = ("model.n_layers=4",)
-    _, out = pp_run(
-        tmp_path,
-        text_corpus,
-        cache_dir,
-        "gpt2-tiny",
-        schedule,
-        *four,
-        "parallelism.pp_virtual_stages=2",
-        "parallelism.pp_microbatches=4",
-    )
-    assert_run_matches(reference("gpt2-tiny", *four), out, STEPS)
+    and 3, so its embedding and head stay one tied parameter), 4 micro-batches. The
+    estimator models interleaved_1f1b of these: its estimate per stage equals the run's."""
+    extra = ("model.n_layers=4", "parallelism.pp_virtual_stages=2", "parallelism.pp_microbatches=4")
+    summary, out = pp_run(tmp_path, text_corpus, cache_dir, "gpt2-tiny", schedule, *extra)
+    assert_run_matches(reference("gpt2-tiny", extra[0]), out, STEPS)
+    if schedule == "interleaved_1f1b":
+        assert_stage_estimates(summary, *pp_overrides("gpt2-tiny", schedule, *extra))
 
 
 @pytest.mark.slow
@@ -234,37 +237,26 @@ def test_multi_stage_schedules_match_single_process(
 def test_pipeline_times_tensor_parallel(tmp_path, reference, text_corpus, cache_dir, model, extra):
     """pp=2 x tp=2 on 4 ranks: each stage's part split by tensor parallel (the tied
     embedding's two copies are vocab shards, summed shard by shard). The vocabulary is
-    padded to 258 by tp; the reference is given that size."""
-    _, out = pp_run(
-        tmp_path,
-        text_corpus,
-        cache_dir,
-        model,
-        "1f1b",
-        "parallelism.tp_size=2",
-        *extra,
-        nproc=4,
-    )
+    padded to 258 by tp; the reference is given that size. The estimate per stage and tp
+    rank equals what each rank measured."""
+    extra = ("parallelism.tp_size=2", *extra)
+    summary, out = pp_run(tmp_path, text_corpus, cache_dir, model, "1f1b", *extra, nproc=4)
     assert_run_matches(reference(model, "model.vocab_size=258"), out, STEPS)
+    assert_stage_estimates(summary, *pp_overrides(model, "1f1b", *extra, nproc=4))
 
 
 @pytest.mark.slow
 def test_3d_fsdp_tensor_pipeline(tmp_path, reference, text_corpus, cache_dir):
     """dp=2 x tp=2 x pp=2 on 8 ranks: FSDP2 over the dp sub-mesh of each stage (each stage
     its own FSDP root), tensor parallel inside, each dp rank reading half the batch of 8."""
-    summary, out = pp_run(
-        tmp_path,
-        text_corpus,
-        cache_dir,
-        "gpt2-tiny",
-        "1f1b",
-        "parallelism=fsdp",
-        "parallelism.tp_size=2",
-        "train.micro_batch_size=4",
-        nproc=8,
-    )
+    extra = ("parallelism=fsdp", "parallelism.tp_size=2", "train.micro_batch_size=4")
+    summary, out = pp_run(tmp_path, text_corpus, cache_dir, "gpt2-tiny", "1f1b", *extra, nproc=8)
     assert (summary["dp_size"], summary["tp_size"], summary["pp_size"]) == (2, 2, 2)
     assert_run_matches(reference("gpt2-tiny", "model.vocab_size=258"), out, STEPS)
+    # Model states only: FSDP2 computes with gathered copies of the parameters, which the
+    # matmuls save and the tracker counts as activations (tests/test_pipeline_dp.py, ddp).
+    overrides = pp_overrides("gpt2-tiny", "1f1b", *extra, nproc=8)
+    assert_stage_estimates(summary, *overrides, activations=False)
 
 
 @pytest.mark.slow
@@ -316,11 +308,12 @@ def test_pipeline_bf16_tracks_one_process_in_bf16(tmp_path, reference, text_corp
     differs, which bf16 rounding magnifies: measured at most 2.9e-5 relative over these
     steps, so 1e-3 leaves room yet catches a wrong normalisation (the loss falls 9%)."""
     bf16 = "precision=bf16"
-    _, out = pp_run(tmp_path, text_corpus, cache_dir, "llama-tiny", "1f1b", bf16)
+    summary, out = pp_run(tmp_path, text_corpus, cache_dir, "llama-tiny", "1f1b", bf16)
     ref, got = train_losses(reference("llama-tiny", bf16)), train_losses(out)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-3), step
+    assert_stage_estimates(summary, *pp_overrides("llama-tiny", "1f1b", bf16))
 
 
 @pytest.mark.slow
@@ -330,17 +323,10 @@ def test_pipeline_accumulates_loader_batches_under_recompute(
     """Two loader batches of 4 per step (two schedule steps, gradients accumulating) with
     every block checkpointed (recompute wraps the part's blocks before the stages are
     built): the same step as one batch of 8 in one process."""
-    _, out = pp_run(
-        tmp_path,
-        text_corpus,
-        cache_dir,
-        "gpt2-tiny",
-        "1f1b",
-        "train.micro_batch_size=4",
-        "train.grad_accum_steps=2",
-        "recompute=full",
-    )
+    extra = ("train.micro_batch_size=4", "train.grad_accum_steps=2", "recompute=full")
+    summary, out = pp_run(tmp_path, text_corpus, cache_dir, "gpt2-tiny", "1f1b", *extra)
     assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+    assert_stage_estimates(summary, *pp_overrides("gpt2-tiny", "1f1b", *extra))
 
 
 @pytest.mark.slow

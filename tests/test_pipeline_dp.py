@@ -12,7 +12,14 @@ clipping norms, 1e-4 relative + 1e-5 absolute on final weights.
 from __future__ import annotations
 
 import pytest
-from helpers import assert_run_matches, final_weights, read_metrics, reference_runs, run
+from helpers import (
+    assert_run_matches,
+    assert_stage_estimates,
+    final_weights,
+    read_metrics,
+    reference_runs,
+    run,
+)
 
 STEPS = 4
 
@@ -22,14 +29,10 @@ def reference(tmp_path_factory, text_corpus, cache_dir):
     return reference_runs(tmp_path_factory, text_corpus, cache_dir, STEPS)
 
 
-def dp_pp_run(tmp_path, text_corpus, cache_dir, strategy, *extra, nproc=4, name="dp_pp"):
+def dp_pp_overrides(strategy, *extra, nproc=4) -> list[str]:
     """gpt2-tiny (tied embedding split over the stages) under ``strategy`` on dp x pp=2,
     small buckets (several per stage, pieces cut mid-parameter)."""
-    return run(
-        tmp_path,
-        name,
-        text_corpus,
-        cache_dir,
+    return [
         f"parallelism={strategy}",
         f"launcher.nproc_per_node={nproc}",
         "parallelism.pp_size=2",
@@ -37,7 +40,12 @@ def dp_pp_run(tmp_path, text_corpus, cache_dir, strategy, *extra, nproc=4, name=
         "train.micro_batch_size=4",
         f"train.max_steps={STEPS}",
         *extra,
-    )
+    ]
+
+
+def dp_pp_run(tmp_path, text_corpus, cache_dir, strategy, *extra, nproc=4, name="dp_pp"):
+    overrides = dp_pp_overrides(strategy, *extra, nproc=nproc)
+    return run(tmp_path, name, text_corpus, cache_dir, *overrides)
 
 
 def stage_params(out) -> list[int]:
@@ -70,6 +78,8 @@ def test_zero2_data_parallel_pipeline_matches_single_process(
     params, grads = last["memory/params_bytes"], last["memory/grads_bytes"]
     assert params == 2 * grads and 0 <= params - 4 * phi[0] < 1024
     assert 0 <= last["memory/optimizer_states_bytes"] - 2 * grads < 1024
+    # The estimator: the same buckets (the head copy's alone) on every rank, exactly.
+    assert_stage_estimates(summary, *dp_pp_overrides("zero2"))
 
 
 @pytest.mark.slow
@@ -83,11 +93,18 @@ def test_data_parallel_pipelines_match_single_process(
     """ddp: torch's replicate on each stage, all-reduced at the step's last backward;
     zero1: the full gradient buckets reduce-scattered once, at the step's last backward;
     zero3: blocks gathered per micro-batch, the head kept gathered until the step's last
-    backward (GPipe runs every forward before the first backward)."""
-    _, out = dp_pp_run(
-        tmp_path, text_corpus, cache_dir, strategy, f"parallelism.pp_schedule={schedule}"
-    )
+    backward (GPipe runs every forward before the first backward). The estimate per stage
+    equals what each rank measured; under ddp model states only: the weights the matmuls
+    and norms save are ``replicate``'s unsharded storages (FSDP2's machinery), not the
+    parameters ``strategy.memory()`` names, so the tracker counts them as activations
+    (stage 0: 197,632 bytes over the formula, about block 0's weights), which the estimator
+    does not model."""
+    extra = f"parallelism.pp_schedule={schedule}"
+    summary, out = dp_pp_run(tmp_path, text_corpus, cache_dir, strategy, extra)
     assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+    assert_stage_estimates(
+        summary, *dp_pp_overrides(strategy, extra), activations=strategy != "ddp"
+    )
 
 
 @pytest.mark.slow
@@ -111,11 +128,13 @@ def test_data_parallel_tensor_pipeline(tmp_path, reference, text_corpus, cache_d
     """dp=2 x tp=2 x pp=2 on 8 ranks: each stage's part split by tensor parallel, our ZeRO
     bucketing each DTensor's local block over the stage's dp group (ddp: replicate on the
     dp sub-mesh). tp pads the vocabulary to 258; the reference is given that size."""
-    summary, out = dp_pp_run(
-        tmp_path, text_corpus, cache_dir, strategy, "parallelism.tp_size=2", nproc=8
-    )
+    tp = "parallelism.tp_size=2"
+    summary, out = dp_pp_run(tmp_path, text_corpus, cache_dir, strategy, tp, nproc=8)
     assert (summary["dp_size"], summary["tp_size"], summary["pp_size"]) == (2, 2, 2)
     assert_run_matches(reference("gpt2-tiny", "model.vocab_size=258"), out, STEPS)
+    assert_stage_estimates(
+        summary, *dp_pp_overrides(strategy, tp, nproc=8), activations=strategy != "ddp"
+    )
 
 
 @pytest.mark.slow

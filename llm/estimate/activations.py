@@ -26,6 +26,8 @@ F32, I64, BOOL = 4, 8, 1
 # priced by :func:`estimate_activations` from the ``none`` terms (see there).
 RECOMPUTE = ("none", "full", "selective", "op_sac", "op_sac_every_other_mm")
 FLASH_LIKE = ("flash", "efficient", "cudnn", "flash_attn", "flex", "triton")
+# Outside-the-blocks terms of a pipeline's first stage (the lookups); the last holds the rest.
+FIRST_STAGE_TERMS = {"embed.ids", "pos_embed.ids", "embed.dropout_mask"}
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class ActivationEstimate:
     layer_none: dict[str, int]  # one block with every activation kept
     outside: dict[str, int]
     n_layers: int
-    n_recomputed: int = 0  # blocks under full recompute (every=k: n_layers // k)
+    every: int = 0  # full recompute of every k-th block (indices k-1, 2k-1, ...); 0: none
     recomputed_layer: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -85,13 +87,28 @@ class ActivationEstimate:
         return sum(self.layer.values())
 
     @property
+    def n_recomputed(self) -> int:
+        return self.n_layers // self.every if self.every else 0
+
+    def block(self, index: int) -> int:
+        """Bytes block ``index`` (of the whole model) keeps."""
+        recomputed = self.every and (index + 1) % self.every == 0
+        return sum((self.recomputed_layer if recomputed else self.layer).values())
+
+    @property
     def blocks(self) -> int:
-        kept = (self.n_layers - self.n_recomputed) * sum(self.layer.values())
-        return kept + self.n_recomputed * sum(self.recomputed_layer.values())
+        return sum(self.block(i) for i in range(self.n_layers))
 
     @property
     def total(self) -> int:
         return self.blocks + sum(self.outside.values())
+
+
+def outside_by_stage(outside: dict[str, int]) -> tuple[int, int]:
+    """Bytes of the outside terms a pipeline's first stage holds (the lookups) and its last
+    (final norm, head and loss)."""
+    first = sum(v for k, v in outside.items() if k in FIRST_STAGE_TERMS)
+    return first, sum(outside.values()) - first
 
 
 def sdpa_kernel_used(kernel: str, device: str, dtypes: Dtypes, dropout: bool, head_dim: int) -> str:
@@ -371,7 +388,7 @@ def estimate_activations(
             layer_none=none,
             outside=outside_terms(args, batch, seq, policy, device=device, **split),
             n_layers=args.n_layers,
-            n_recomputed=args.n_layers // every,
+            every=every,
             recomputed_layer=layer_terms(args, batch, seq, policy, recompute="full", **kw),
         )
     return ActivationEstimate(

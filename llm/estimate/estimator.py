@@ -10,8 +10,10 @@ import torch
 
 from llm.config import Config
 from llm.estimate.activations import estimate_activations
+from llm.estimate.stages import stage_activations, stage_outputs
 from llm.estimate.states import RankStates, model_states, paper_states
 from llm.models import build_model, freeze
+from llm.parallel.pipeline import PipelineLayout, PipelinePart
 from llm.parallel.tensor_parallel import padded_vocab
 from llm.precision import PrecisionPolicy, resolve_precision
 
@@ -28,7 +30,9 @@ RECOMPUTE_EXTRA_FORWARD = {"none": 0.0, "full": 1.0}
 
 @dataclass
 class Estimate:
-    """Per-rank bytes by row (device), what offload moves to host, and the step's payload."""
+    """Per-rank bytes by row (device), what offload moves to host, and the step's payload.
+    Under pipeline parallel the rows are those of the pipeline rank with the largest total
+    (``rank``, the one that sets the peak) and ``stages`` lists every pipeline rank's."""
 
     device: dict[str, int]
     host: dict[str, int]
@@ -37,6 +41,7 @@ class Estimate:
     rank: int
     device_memory: int
     activations: dict | None = None  # per-layer terms, outside terms, counts
+    stages: list[StageRows] | None = None
 
     @property
     def total(self) -> int:
@@ -47,7 +52,7 @@ class Estimate:
         return self.total <= self.device_memory
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "world": self.world,
             "rank": self.rank,
             "device_bytes": self.device,
@@ -58,6 +63,24 @@ class Estimate:
             "comm_bytes_per_step": self.comm_bytes,
             "activations": self.activations,
         }
+        if self.stages is not None:
+            out["stages"] = [dataclasses.asdict(s) for s in self.stages]
+        return out
+
+
+@dataclass
+class StageRows:
+    """One pipeline rank's device rows (at the dp and tp coordinate of estimate.rank)."""
+
+    pp_rank: int
+    rank: int
+    device: dict[str, int]
+    host: dict[str, int]
+    n_params: int  # parameters of the rank's part (tensor-parallel shards: whole shapes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.device.values())
 
 
 def estimate_policy(name: str, device: str) -> PrecisionPolicy:
@@ -83,10 +106,8 @@ def world_size(cfg: Config) -> int:
     return e.nodes * (e.gpus_per_node or cfg.launcher.nproc_per_node)
 
 
-def estimate(cfg: Config, args, recompute: str | None = None, model=None) -> Estimate:
-    """The estimate of ``cfg`` for the model shape ``args`` (llm.validate.model_args_for);
-    ``recompute`` replaces recompute.name (the plan asks for policies the formula knows);
-    ``model``: the meta-device model already built for ``args`` (the plan builds it once)."""
+def estimate(cfg: Config, args) -> Estimate:
+    """The estimate of ``cfg`` for the model shape ``args`` (llm.validate.model_args_for)."""
     e, par = cfg.estimate, cfg.parallelism
     world = world_size(cfg)
     # Tensor parallel pads the vocabulary to a multiple of tp, as the run does.
@@ -96,16 +117,17 @@ def estimate(cfg: Config, args, recompute: str | None = None, model=None) -> Est
         stage = int(par.name[-1]) if par.name.startswith("zero") else par.zero_stage
         states = paper_states(int(e.num_params), world, stage, policy, cfg.optimizer)
         return _assemble(cfg, states, None, int(e.num_params), policy, world)
-    model = model or meta_model(cfg, args)
-    states = model_states(model, par, policy, cfg.optimizer, world, e.rank)
-    name = recompute or cfg.recompute.name
+    name = cfg.recompute.name
     if name == "op_sac" and cfg.recompute.save_every_other_mm:
         name = "op_sac_every_other_mm"
+    pp = par.pp_size
+    micro_batch = cfg.train.micro_batch_size // (par.microbatches if pp > 1 else 1)
+    stream = activation_policy(policy, par.name)
     acts = estimate_activations(
         args,
-        cfg.train.micro_batch_size,
+        micro_batch,
         cfg.data.seq_len,
-        activation_policy(policy, par.name),
+        stream,
         backend=cfg.attention.backend,
         sdpa_kernel=cfg.attention.sdpa_kernel,
         device=e.device,
@@ -115,16 +137,65 @@ def estimate(cfg: Config, args, recompute: str | None = None, model=None) -> Est
         tp=par.tp_size,
         sequence_parallel=par.sequence_parallel,
     )
+    if pp > 1:
+        stages = [_stage(cfg, args, acts, policy, stream, micro_batch, r) for r in range(pp)]
+        peak = max(stages, key=lambda s: s.total)  # the first of equals
+        states = RankStates(dict(peak.device), dict(peak.host))
+        est = _assemble(cfg, states, acts, peak.n_params, policy, world)
+        est.rank, est.stages = peak.rank, stages
+        return est
+    model = meta_model(cfg, args)
+    states = model_states(model, par, policy, cfg.optimizer, world, e.rank)
+    states.device["activations"] = acts.total
     if name == "offload":  # the saved tensors live in pinned host memory
         states.host["activations"] = acts.n_layers * sum(acts.layer_none.values())
     n = sum(p.numel() for p in model.parameters())
     return _assemble(cfg, states, acts, n, policy, world)
 
 
-def meta_model(cfg: Config, args):
+def _stage(cfg: Config, args, acts, policy, stream, micro_batch: int, pp_rank: int) -> StageRows:
+    """Pipeline rank ``pp_rank`` at estimate.rank's dp and tp coordinate: the model states
+    of its part, its in-flight activations and the stage outputs the schedule keeps."""
+    par = cfg.parallelism
+    pipe = PipelineLayout.from_config(par, args.n_layers)
+    world = world_size(cfg)
+    inner = world // par.pp_size  # dp x tp ranks per pipeline rank, pp outermost
+    rank = pp_rank * inner + cfg.estimate.rank % inner
+    part = meta_model(cfg, args, pp_rank)
+    states = model_states(part, par, policy, cfg.optimizer, world, rank)
+    m = par.microbatches
+    states.device["activations"] = stage_activations(acts, pipe, m, pp_rank)
+    states.device["stage_outputs"] = stage_outputs(
+        args,
+        micro_batch,
+        cfg.data.seq_len,
+        stream,
+        pipe,
+        m,
+        pp_rank,
+        par.tp_size,
+        par.sequence_parallel,
+    )
+    if cfg.recompute.name == "offload":  # every block's saved tensors, in host memory
+        kept = dataclasses.replace(acts, layer=acts.layer_none, outside={})
+        states.host["activations"] = stage_activations(kept, pipe, m, pp_rank)
+    n = sum(p.numel() for p in part.parameters())
+    host = {k: v for k, v in states.host.items() if v}
+    return StageRows(pp_rank, rank, states.device, host, n)
+
+
+def meta_model(cfg: Config, args, pp_rank: int | None = None):
+    """The model on the meta device, frozen as ``model.freeze`` says; with ``pp_rank`` that
+    pipeline rank's part, split before freezing as llm.run splits it."""
     model = build_model(args, cfg.attention.backend, cfg.attention.sdpa_kernel)
+    if pp_rank is not None:
+        pipe = PipelineLayout.from_config(cfg.parallelism, args.n_layers)
+        model = PipelinePart(model, pipe, pp_rank)
     if cfg.model.freeze:
-        freeze(model, cfg.model.freeze)
+        if isinstance(model, PipelinePart):
+            model.freeze(cfg.model.freeze)
+        else:
+            freeze(model, cfg.model.freeze)
     return model
 
 
@@ -132,14 +203,13 @@ def _assemble(cfg: Config, states: RankStates, acts, n_params: int, policy, worl
     device = dict(states.device)
     summary = None
     if acts is not None:
-        device["activations"] = acts.total
         summary = {
             "per_layer_bytes": acts.per_layer,
             "per_layer_terms": acts.layer,
             "n_layers": acts.n_layers,
             "n_recomputed": acts.n_recomputed,
             "outside_terms": acts.outside,
-            "total_bytes": acts.total,
+            "total_bytes": device["activations"],
         }
     par = cfg.parallelism
     factor = DEEPSPEED_COMM[par.zero_stage] if par.name == "deepspeed" else COMM_FACTOR[par.name]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from llm.errors import ConfigError
 from llm.models import ModelArgs
+from llm.parallel.pipeline import PipelineLayout
 from llm.parallel.tensor_parallel import padded_vocab
 
 # Schedules whose in-flight micro-batches and bubble this module knows (docs/parallel.md).
@@ -33,11 +34,7 @@ class Layout:
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(
-                f"the estimator models pipeline schedules {', '.join(SCHEDULES)}, not "
-                f"{self.schedule!r}; set parallelism.pp_schedule to one of them"
-            )
+        check_schedule(self.schedule)
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise ConfigError(
                 f"parallelism.pp_virtual_stages={self.virtual_stages} needs "
@@ -53,17 +50,12 @@ class Layout:
         return self.pp * self.virtual_stages
 
 
-def stage_blocks(n_layers: int, stages: int) -> list[int]:
-    """Blocks per stage, balanced: n_layers // stages each, the remainder one more each on
-    the first stages (as the pipeline's own balanced split)."""
-    base, extra = divmod(n_layers, stages)
-    return [base + (s < extra) for s in range(stages)]
-
-
 def rank_blocks(n_layers: int, layout: Layout, pp_rank: int) -> int:
-    """Blocks pipeline rank ``pp_rank`` holds: its stages r, r + p, ... (looped)."""
-    sizes = stage_blocks(n_layers, layout.stages)
-    return sum(sizes[pp_rank :: layout.pp])
+    """Blocks pipeline rank ``pp_rank`` holds: its stages r, r + p, ... (looped) of the
+    pipeline's own balanced split."""
+    pipe = PipelineLayout(n_layers, layout.pp, layout.virtual_stages, layout.schedule)
+    blocks = pipe.stage_blocks()
+    return sum(len(blocks[s]) for s in pipe.stages_of(pp_rank))
 
 
 def block_params(args: ModelArgs, tp: int) -> int:
@@ -95,22 +87,44 @@ def rank_params(args: ModelArgs, layout: Layout, pp_rank: int) -> int:
     return n
 
 
-def in_flight(layout: Layout, pp_rank: int) -> float:
-    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at its peak, in units
-    of one micro-batch through all of the rank's blocks. Without a pipeline one (gradient
-    accumulation runs them one at a time). gpipe: all m forwards before any backward. 1f1b:
-    rank r runs p - r forwards before its first backward (Narayanan et al. 2021, section
-    2.2.1). interleaved: Megatron's warm-up of 2(p - r - 1) + (v - 1)p chunk forwards, plus
-    the steady state's one, chunks of 1/v of the rank's blocks; on the first rank that is
-    p(1 + (p - 1)/(pv)) micro-batches (Korthikanti et al. 2022, section 4.2.3)."""
-    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+def check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ConfigError(
+            f"the estimator models pipeline schedules {', '.join(SCHEDULES)}, not "
+            f"{schedule!r}; set parallelism.pp_schedule to one of them"
+        )
+
+
+def stage_in_flight(schedule: str, p: int, m: int, v: int, pp_rank: int) -> list[int]:
+    """Micro-batches whose activations each of pipeline rank ``pp_rank``'s v stages holds at
+    the rank's peak (its first backward), in the order of its stages. Without a pipeline
+    one (gradient accumulation runs them one at a time). gpipe: all m forwards before any
+    backward. 1f1b: rank r runs p - r forwards before its first backward (Narayanan et al.
+    2021, section 2.2.1). interleaved (torch's ScheduleInterleaved1F1B): a warm-up of
+    (v - 1)·k + 2(p - r - 1) chunk forwards, k = m / max(1, m // p) micro-batches per round
+    (Megatron's p when p divides m), then the steady state's one; forward i runs local
+    stage (i // k) mod v. On the first rank that is p(1 + (p - 1)/(pv)) micro-batches of
+    the rank's blocks (Korthikanti et al. 2022, section 4.2.3)."""
+    check_schedule(schedule)
     if p == 1:
-        return 1.0
-    if layout.schedule == "gpipe":
-        return float(m)
-    if layout.schedule == "1f1b":
-        return float(min(m, p - pp_rank))
-    return min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1) / v
+        return [1]
+    if schedule == "gpipe":
+        return [m]
+    if schedule == "1f1b":
+        return [min(m, p - pp_rank)]
+    per_round = m // max(1, m // p)
+    forwards = min(m * v, (v - 1) * per_round + 2 * (p - pp_rank - 1) + 1)
+    counts = [0] * v
+    for i in range(forwards):
+        counts[(i // per_round) % v] += 1
+    return counts
+
+
+def in_flight(layout: Layout, pp_rank: int) -> float:
+    """Micro-batches in flight on pipeline rank ``pp_rank`` in units of one micro-batch
+    through all of the rank's blocks (its v stages taken as equal: 1/v each)."""
+    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+    return sum(stage_in_flight(layout.schedule, p, m, v, pp_rank)) / v
 
 
 def bubble(layout: Layout) -> float:

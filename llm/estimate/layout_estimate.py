@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass, field
 
 from llm.config import OptimizerConfig
-from llm.estimate.activations import layer_terms, outside_terms
+from llm.estimate.activations import layer_terms, outside_by_stage, outside_terms
 from llm.estimate.cluster import Cluster, ring_seconds
 from llm.estimate.layout import (
     Layout,
@@ -38,8 +38,6 @@ from llm.models import ModelArgs
 from llm.parallel.tensor_parallel import padded_vocab
 from llm.precision import PrecisionPolicy
 
-# Outside-the-blocks terms the first stage holds (the lookups); the last holds the rest.
-FIRST_STAGE_TERMS = {"embed.ids", "pos_embed.ids", "embed.dropout_mask"}
 # Tensor-parallel collectives of b·s·h per block and micro-batch: two in forward, two in
 # backward (Shoeybi et al. 2019); full recompute replays the forward's two.
 TP_COLLECTIVES = {"none": 4, "selective": 4, "full": 6}
@@ -95,9 +93,8 @@ def _micro_batch_terms(
     split = dict(tp=tp, sequence_parallel=sp)
     kw = dict(backend=backend, device=device, recompute=recompute, **split)
     layer = sum(layer_terms(args, b, seq, stream, **kw).values())
-    outside = outside_terms(args, b, seq, stream, device=device, **split)
-    first = sum(v for k, v in outside.items() if k in FIRST_STAGE_TERMS)
-    return layer, first, sum(outside.values()) - first
+    first, last = outside_by_stage(outside_terms(args, b, seq, stream, device=device, **split))
+    return layer, first, last
 
 
 def _activations(w: Workload, layout: Layout, pp_rank: int) -> int:

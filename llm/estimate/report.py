@@ -7,6 +7,9 @@ from rich.table import Table
 
 from llm.estimate.estimator import Estimate
 
+# Column names of the per-stage table, short enough for an 80-column terminal.
+SHORT = {"optimizer_states": "optimizer", "activations": "activ.", "stage_outputs": "outputs"}
+
 
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -18,8 +21,9 @@ def human(n: float) -> str:
 
 def estimate_table(est: Estimate, title: str) -> Table:
     table = Table(title=title)
-    for name in ("per rank", "bytes", "size", "host (offloaded)"):
-        table.add_column(name, justify="left" if name == "per rank" else "right")
+    per_rank = "per rank" if est.stages is None else f"rank {est.rank} (largest stage)"
+    for name in (per_rank, "bytes", "size", "host (offloaded)"):
+        table.add_column(name, justify="left" if name == per_rank else "right")
     for row, value in est.device.items():
         host = est.host.get(row, 0)
         table.add_row(row, f"{value:,}", human(value), human(host) if host else "")
@@ -32,5 +36,37 @@ def estimate_table(est: Estimate, title: str) -> Table:
     return table
 
 
+def stages_table(est: Estimate) -> Table:
+    """Every pipeline rank's rows (at estimate.rank's dp and tp coordinate), the largest
+    marked: the rank that sets the peak."""
+    rows = list(est.stages[0].device)
+    table = Table(title="per pipeline stage (rank), MiB")
+    for name in ("stage", "rank", *(SHORT.get(r, r) for r in rows), "total"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for stage in est.stages:
+        largest = stage.rank == est.rank
+        table.add_row(
+            str(stage.pp_rank),
+            str(stage.rank),
+            *(_mib(stage.device[r]) for r in rows),
+            _mib(stage.total),
+            style="bold" if largest else None,
+        )
+    return table
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def largest_stage(est: Estimate) -> str:
+    stage = next(s for s in est.stages if s.rank == est.rank)
+    return f"largest: pipeline stage {stage.pp_rank} (rank {stage.rank}) sets the peak"
+
+
 def print_estimate(est: Estimate, title: str, console: Console | None = None) -> None:
-    (console or Console()).print(estimate_table(est, title))
+    console = console or Console()
+    console.print(estimate_table(est, title))
+    if est.stages is not None:
+        console.print(stages_table(est))
+        console.print(largest_stage(est))

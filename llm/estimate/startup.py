@@ -10,21 +10,37 @@ import torch
 
 from llm.config import Config
 from llm.estimate.estimator import GIB, estimate
-from llm.estimate.report import human
+from llm.estimate.layout import SCHEDULES
+from llm.estimate.report import human, largest_stage
 from llm.validate import model_args_for, resolve_device
 
 
+def _rows(device: dict[str, int]) -> str:
+    parts = ", ".join(f"{k} {human(v)}" for k, v in device.items())
+    return f"{parts}; total {human(sum(device.values()))}"
+
+
 def announce_estimate(cfg: Config, world: int) -> None:
-    """One line of per-rank bytes; on CUDA, a warning when the total passes the device's."""
+    """One line of per-rank bytes (under pipeline parallel one per stage, and which sets the
+    peak); on CUDA, a warning when the largest total passes the device's."""
     device = resolve_device(cfg)
     est_cfg = dataclasses.replace(cfg.estimate, device=device.type, nodes=1, gpus_per_node=world)
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
         est_cfg.device_memory_gb = memory / GIB
     run = dataclasses.replace(cfg, estimate=est_cfg)
+    par = cfg.parallelism
+    if par.pp_size > 1 and par.pp_schedule not in SCHEDULES:
+        print(f"no estimate: the estimator does not model pp_schedule={par.pp_schedule}")
+        return
     est = estimate(run, model_args_for(cfg, vocab_size=cfg.data.vocab_size))
-    parts = ", ".join(f"{k} {human(v)}" for k, v in est.device.items())
-    print(f"estimate per rank: {parts}; total {human(est.total)} (python -m llm.estimate)")
+    if est.stages is None:
+        print(f"estimate per rank: {_rows(est.device)} (python -m llm.estimate)")
+    else:
+        for stage in est.stages:
+            name = f"pipeline stage {stage.pp_rank} (rank {stage.rank})"
+            print(f"estimate {name}: {_rows(stage.device)}")
+        print(f"estimate: {largest_stage(est)} (python -m llm.estimate)")
     if device.type == "cuda" and not est.fits:
         print(
             f"warning: the estimate {human(est.total)} exceeds this GPU's "

@@ -10,7 +10,9 @@ DeepSpeed's are the ZeRO paper's (its own estimators' assumptions), not its buff
 
 With tensor parallel (``parallelism.tp_size``) every figure is of the rank's local blocks
 (``tp_local_shapes``: tensor parallel's split read off its plan), sharded over the dp size
-world / (tp * pp), as the strategies shard them.
+world / (tp * pp), as the strategies shard them. Under pipeline parallel ``model`` is the
+rank's ``PipelinePart`` (a tied head copy on the last stage is a parameter of its own, and
+our ZeRO buckets it alone, as the strategy does).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig
 from llm.optim import OPTIMIZERS
+from llm.parallel.pipeline import PipelinePart
 from llm.parallel.tensor_parallel import tp_local_shapes
 from llm.parallel.zero.layout import model_buckets
 from llm.precision import PrecisionPolicy
@@ -120,7 +123,8 @@ def _zero(model, shapes, par: ParallelismConfig, policy, opt, world: int, rank: 
     copy, and the optimizer's state of each piece of the rank's slice."""
     stage = int(par.name[-1])
     w, m = policy.working_dtype.itemsize, policy.master_dtype.itemsize
-    buckets = model_buckets(model, stage, par.bucket_cap_mb, w, world, shapes.__getitem__)
+    alone = model.tied_half() if isinstance(model, PipelinePart) else None
+    buckets = model_buckets(model, stage, par.bucket_cap_mb, w, world, shapes.__getitem__, alone)
     separate = policy.master_dtype != policy.working_dtype or par.offload_optimizer
     out = RankStates()
     opt_where = out.host if par.offload_optimizer else out.device

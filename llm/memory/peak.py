@@ -20,6 +20,9 @@ and records the breakdown whenever it sets a new high. Categories:
   if attention saved it at all; not a category of its own, so not added into the total.
 - other: everything else registered: communication buckets, temporaries, gathered
   parameters the strategy does not list as state, gradients of activations.
+- activations_max: the most activation bytes live at any moment of the phase (of the
+  step, in ``last_step``), which need not be the moment of the highest total: a pipeline
+  stage's gradients outgrow its in-flight activations. Not added into the total either.
 
 The bookkeeping of live storages (sizes re-read after in-place resizes, CUDA block
 rounding, saved-tensor hooks) is ``llm.memory.live.LiveStorages``; this module opens and
@@ -46,6 +49,7 @@ from llm.memory.process import cuda_peak_bytes
 
 MODES = ("logged", "every_step", "off")
 LABELLED = "activations_attention"  # the peak's key for the part attention saved
+MOST_ACTIVATIONS = "activations_max"  # the peak's key for the phase's most activations
 __all__ = ["CATEGORIES", "MODES", "PeakTracker"]
 
 StateFn = Callable[[], dict[str, list[torch.Tensor]]]
@@ -66,6 +70,7 @@ class PeakTracker:
         self._phase: str | None = None
         self._peak: tuple = ()
         self._step_peak: dict | None = None
+        self._step_activations = 0  # the most activation bytes live in the step so far
         self._mode = OpOutputs(self.live)
         self._open: ExitStack | None = None
         self.last_step: dict | None = None
@@ -102,7 +107,7 @@ class PeakTracker:
         if tracked:
             with self._window("forward"):
                 yield
-            self.last_step = self._step_peak
+            self.last_step = {**self._step_peak, MOST_ACTIVATIONS: self._step_activations}
             if self.best_step is None or self.last_step["total"] > self.best_step["total"]:
                 self.best_step = self.last_step
         else:
@@ -154,6 +159,7 @@ class PeakTracker:
     @contextmanager
     def _window(self, phase: str) -> Iterator[None]:
         self._step_peak = None
+        self._step_activations = 0
         self.live.wrap_resize()
         try:
             self.live.remeasure()
@@ -168,6 +174,7 @@ class PeakTracker:
     def _open_phase(self, name: str) -> None:
         self._phase = name
         self._refresh()
+        self.live.activations_high = self.live.totals["activations"]
         self._record()
 
     def _close_phase(self) -> None:
@@ -175,6 +182,7 @@ class PeakTracker:
         peak = self._finish()
         self._phase = None
         self.live.threshold = math.inf  # no new highs recorded between phases
+        self._step_activations = max(self._step_activations, peak[MOST_ACTIVATIONS])
         if self._step_peak is None or peak["total"] > self._step_peak["total"]:
             self._step_peak = peak
         best = self.by_phase.get(peak["phase"])
@@ -194,7 +202,13 @@ class PeakTracker:
             if entry.category in STATE:
                 totals["other"] -= size
                 totals[entry.category] += size
-        return {**totals, "total": sum(totals.values()), "phase": phase, LABELLED: attention}
+        return {
+            **totals,
+            "total": sum(totals.values()),
+            "phase": phase,
+            LABELLED: attention,
+            MOST_ACTIVATIONS: self.live.activations_high,
+        }
 
     # ---- state ---------------------------------------------------------------------
     def _refresh(self) -> None:

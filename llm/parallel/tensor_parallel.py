@@ -174,7 +174,8 @@ def tp_local_shapes(model: nn.Module, tp_size: int, tp_rank: int) -> dict[nn.Par
     if tp_size == 1:
         return shapes
     plan = _root_plan(model, sp=False)  # sequence parallel splits no other parameter
-    for i in range(len(model.layers)):
+    # Blocks by their names: a pipeline part keys its blocks by their whole-model index.
+    for i, _ in model.layers.named_children():
         family = model.args.family
         plan |= {f"layers.{i}.{k}": v for k, v in _block_plan(family, sp=False).items()}
     for fqn, style in plan.items():
