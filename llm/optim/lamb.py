@@ -80,7 +80,8 @@ class Lamb(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         total = sum(len(g["params"]) for g in self.param_groups)
-        squares, adapted, first = None, [], 0
+        device = next(p.device for g in self.param_groups for p in g["params"])
+        squares, adapted, first = torch.zeros(2, total, device=device), [], 0
         for group in self.param_groups:
             params, grads, states = with_grads(
                 self, group, _init, ("step", "exp_avg", "exp_avg_sq")
@@ -92,8 +93,6 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_add_(states["step"], 1.0)
             t = states["step"][0].item()  # a CPU scalar, as torch's Adam keeps it: no device sync
             rows = [params, grads, states["exp_avg"], states["exp_avg_sq"]]
-            if squares is None:
-                squares = torch.zeros(2, total, device=params[0].device)
             limit = batch_elements(params[0].device)
             scale, eps = _bias_correction(group, t)
             adapt = group.get("kind", "matrix") != "vector"
@@ -112,8 +111,7 @@ class Lamb(torch.optim.Optimizer):
                 squares.index_add_(1, index, norms.float().pow(2))
             if adapt:
                 adapted.append((group, rows, where, scale, eps, limit))
-        if not adapted:
-            return loss
+        # Always, even with nothing adapted here: the hook is a collective every rank joins.
         if self.whole_param_squares is not None:
             squares = self.whole_param_squares(squares)
         w_norms, u_norms = squares.sqrt()
