@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llm.config import ParallelismConfig
-from llm.estimate.layout import stage_in_flight
+from llm.estimate.schedule_steps import peak_state
 from llm.launch import free_port
 from llm.memory import ActivationMemoryCounter, PeakTracker, module_state_tensors
 from llm.models import InitSource, build_model, model_args
@@ -180,7 +180,7 @@ def expected(row: dict, p: int, seq_len: int, d: int) -> dict:
     directions = (s < p - 1) + (s > 0)  # activations forward, gradients backward
     return {
         "bubble": (p - 1) / (m + p - 1),
-        "in_flight": stage_in_flight(row["schedule"], p, m, 1, s)[0],
+        "in_flight": peak_state(row["schedule"], p, m, 1, s).saved[0],
         "sent": directions * m * row["b"] * seq_len * d * 4,
     }
 

@@ -116,44 +116,43 @@ _NOT_WITH_TP = {
 }
 
 
-def _check_pp_schedule(p: ParallelismConfig) -> None:
-    """What a schedule needs of the stages per rank and the micro-batch count; one line
-    each, from ParallelismConfig.__post_init__."""
-    name, v, m = p.pp_schedule, p.pp_virtual_stages, p.microbatches
+def pp_schedule_problem(name: str, pp: int, v: int, m: int) -> str | None:
+    """What a schedule needs of the stages per rank (``v``) and the micro-batch count
+    (``m``) at ``pp`` pipeline ranks, as one line naming the fix; None when it has it. The
+    estimator's plan asks it of layouts the config does not describe."""
     if name in PP_SINGLE_STAGE and v != 1:
-        raise ConfigError(
+        return (
             f"parallelism.pp_schedule={name} runs one stage per rank but pp_virtual_stages={v}; "
             "set pp_virtual_stages=1 or use pp_schedule=interleaved_1f1b"
         )
     if name in PP_V_SHAPED and v != 2:
-        raise ConfigError(
+        return (
             f"parallelism.pp_schedule={name} places exactly 2 stages per rank in a V; set "
             "parallelism.pp_virtual_stages=2"
         )
     if name not in PP_SINGLE_STAGE | PP_V_SHAPED and v < 2:
-        raise ConfigError(
+        return (
             f"parallelism.pp_schedule={name} interleaves several stages per rank; set "
             "parallelism.pp_virtual_stages >= 2 or use pp_schedule=1f1b"
         )
-    stages = p.pp_size * v
-    if name == "1f1b" and m < p.pp_size:
-        raise ConfigError(
+    if name == "1f1b" and m < pp:
+        return (
             f"parallelism.pp_schedule=1f1b needs at least as many micro-batches as stages: "
-            f"pp_microbatches={m} < pp_size={p.pp_size}; raise pp_microbatches"
+            f"pp_microbatches={m} < pp_size={pp}; raise pp_microbatches"
         )
-    if name == "dualpipev" and m < stages:
-        raise ConfigError(
+    if name == "dualpipev" and m < pp * v:
+        return (
             f"parallelism.pp_schedule=dualpipev needs at least as many micro-batches as its "
-            f"{stages} stages, got pp_microbatches={m}; raise pp_microbatches"
+            f"{pp * v} stages, got pp_microbatches={m}; raise pp_microbatches"
         )
-    if name in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        rounds = max(1, m // p.pp_size)  # as torch's schedule counts them
-        if m % rounds:
-            raise ConfigError(
-                f"parallelism.pp_schedule={name} runs micro-batches in rounds of pp_size: "
-                f"pp_microbatches={m} is not a multiple of {rounds} rounds; use a multiple of "
-                f"pp_size={p.pp_size}"
-            )
+    rounds = max(1, m // pp)  # as torch's schedule counts them
+    if name in ("interleaved_1f1b", "interleaved_zero_bubble") and m % rounds:
+        return (
+            f"parallelism.pp_schedule={name} runs micro-batches in rounds of pp_size: "
+            f"pp_microbatches={m} is not a multiple of {rounds} rounds; use a multiple of "
+            f"pp_size={pp}"
+        )
+    return None
 
 
 # Why a data-parallel strategy does not compose with pipeline parallel (docs/parallel.md).
@@ -243,7 +242,11 @@ class ParallelismConfig:
                 f"parallelism.pp_microbatches={self.pp_microbatches} must be > 0, or -1 for pp_size"
             )
         if self.pp_size > 1:
-            _check_pp_schedule(self)
+            problem = pp_schedule_problem(
+                self.pp_schedule, self.pp_size, self.pp_virtual_stages, self.microbatches
+            )
+            if problem:
+                raise ConfigError(problem)
             _check_pp_strategy(self)
         if self.sequence_parallel and self.tp_size == 1:
             raise ConfigError(

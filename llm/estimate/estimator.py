@@ -10,7 +10,7 @@ import torch
 
 from llm.config import Config
 from llm.estimate.activations import estimate_activations
-from llm.estimate.stages import stage_activations, stage_outputs
+from llm.estimate.stages import StageShape, held_at_peak, outputs_per_stage, saved_per_stage
 from llm.estimate.states import RankStates, model_states, paper_states
 from llm.models import build_model, freeze
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
@@ -164,21 +164,17 @@ def _stage(cfg: Config, args, acts, policy, stream, micro_batch: int, pp_rank: i
     part = meta_model(cfg, args, pp_rank)
     states = model_states(part, par, policy, cfg.optimizer, world, rank)
     m = par.microbatches
-    states.device["activations"] = stage_activations(acts, pipe, m, pp_rank)
-    states.device["stage_outputs"] = stage_outputs(
-        args,
-        micro_batch,
-        cfg.data.seq_len,
-        stream,
-        pipe,
-        m,
-        pp_rank,
-        par.tp_size,
-        par.sequence_parallel,
+    shape = StageShape(
+        args, micro_batch, cfg.data.seq_len, stream, par.tp_size, par.sequence_parallel
     )
+    outputs = outputs_per_stage(shape, pipe, pp_rank)
+    saved = saved_per_stage(acts, pipe, pp_rank)
+    held = held_at_peak(pipe, m, pp_rank, saved, outputs)
+    states.device["activations"], states.device["stage_outputs"] = held
     if cfg.recompute.name == "offload":  # every block's saved tensors, in host memory
         kept = dataclasses.replace(acts, layer=acts.layer_none, outside={})
-        states.host["activations"] = stage_activations(kept, pipe, m, pp_rank)
+        kept_saved = saved_per_stage(kept, pipe, pp_rank)
+        states.host["activations"] = held_at_peak(pipe, m, pp_rank, kept_saved, outputs)[0]
     n = sum(p.numel() for p in part.parameters())
     host = {k: v for k, v in states.host.items() if v}
     return StageRows(pp_rank, rank, states.device, host, n)

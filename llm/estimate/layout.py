@@ -1,7 +1,8 @@
 """A parallel layout on paper (dp x tp x pp, a ZeRO stage over dp, a pipeline schedule) and
 what one of its ranks holds: parameters by pipeline rank and tensor-parallel shard, the
 micro-batches a pipeline schedule keeps in flight, the bubble, and the stage-boundary
-traffic. Closed forms from the shape alone, so a 1T-parameter layout costs nothing.
+traffic. Closed forms from the shape alone, and torch's schedules played out action by
+action (llm.estimate.schedule_steps), so a 1T-parameter layout costs nothing.
 
 The estimator builds :class:`Layout` itself, never a ``ParallelismConfig``: that refuses
 ZeRO with tp or pp, and the plan prices layouts the training code may not run yet.
@@ -11,13 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llm.config import pp_schedule_problem
 from llm.errors import ConfigError
+from llm.estimate.schedule_steps import bubble_share, peak_state
 from llm.models import ModelArgs
 from llm.parallel.pipeline import PipelineLayout
 from llm.parallel.tensor_parallel import padded_vocab
-
-# Schedules whose in-flight micro-batches and bubble this module knows (docs/parallel.md).
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,16 @@ class Layout:
     microbatches: int = 1  # per step and pipeline (gradient accumulation when pp = 1)
     sequence_parallel: bool = False
     schedule: str = "1f1b"
-    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
+    virtual_stages: int = 1  # stages per pipeline rank (multi-stage schedules)
 
     def __post_init__(self) -> None:
-        check_schedule(self.schedule)
-        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
-            raise ConfigError(
-                f"parallelism.pp_virtual_stages={self.virtual_stages} needs "
-                "pp_schedule=interleaved_1f1b in the estimator"
-            )
+        if self.pp == 1:
+            return
+        problem = pp_schedule_problem(
+            self.schedule, self.pp, self.virtual_stages, self.microbatches
+        )
+        if problem:
+            raise ConfigError(problem)
 
     @property
     def world(self) -> int:
@@ -51,8 +52,8 @@ class Layout:
 
 
 def rank_blocks(n_layers: int, layout: Layout, pp_rank: int) -> int:
-    """Blocks pipeline rank ``pp_rank`` holds: its stages r, r + p, ... (looped) of the
-    pipeline's own balanced split."""
+    """Blocks pipeline rank ``pp_rank`` holds: its stages (r, r + p, ... looped; r and
+    2p - 1 - r V-shaped) of the pipeline's own balanced split."""
     pipe = PipelineLayout(n_layers, layout.pp, layout.virtual_stages, layout.schedule)
     blocks = pipe.stage_blocks()
     return sum(len(blocks[s]) for s in pipe.stages_of(pp_rank))
@@ -87,51 +88,20 @@ def rank_params(args: ModelArgs, layout: Layout, pp_rank: int) -> int:
     return n
 
 
-def check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ConfigError(
-            f"the estimator models pipeline schedules {', '.join(SCHEDULES)}, not "
-            f"{schedule!r}; set parallelism.pp_schedule to one of them"
-        )
-
-
-def stage_in_flight(schedule: str, p: int, m: int, v: int, pp_rank: int) -> list[int]:
-    """Micro-batches whose activations each of pipeline rank ``pp_rank``'s v stages holds at
-    the rank's peak (its first backward), in the order of its stages. Without a pipeline
-    one (gradient accumulation runs them one at a time). gpipe: all m forwards before any
-    backward. 1f1b: rank r runs p - r forwards before its first backward (Narayanan et al.
-    2021, section 2.2.1). interleaved (torch's ScheduleInterleaved1F1B): a warm-up of
-    (v - 1)·k + 2(p - r - 1) chunk forwards, k = m / max(1, m // p) micro-batches per round
-    (Megatron's p when p divides m), then the steady state's one; forward i runs local
-    stage (i // k) mod v. On the first rank that is p(1 + (p - 1)/(pv)) micro-batches of
-    the rank's blocks (Korthikanti et al. 2022, section 4.2.3)."""
-    check_schedule(schedule)
-    if p == 1:
-        return [1]
-    if schedule == "gpipe":
-        return [m]
-    if schedule == "1f1b":
-        return [min(m, p - pp_rank)]
-    per_round = m // max(1, m // p)
-    forwards = min(m * v, (v - 1) * per_round + 2 * (p - pp_rank - 1) + 1)
-    counts = [0] * v
-    for i in range(forwards):
-        counts[(i // per_round) % v] += 1
-    return counts
-
-
 def in_flight(layout: Layout, pp_rank: int) -> float:
-    """Micro-batches in flight on pipeline rank ``pp_rank`` in units of one micro-batch
-    through all of the rank's blocks (its v stages taken as equal: 1/v each)."""
+    """Micro-batches in flight on pipeline rank ``pp_rank`` at its peak, in units of one
+    micro-batch through all of the rank's blocks (its v stages taken as equal: 1/v each),
+    as torch's schedule runs them (llm.estimate.schedule_steps)."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
-    return sum(stage_in_flight(layout.schedule, p, m, v, pp_rank)) / v
+    return sum(peak_state(layout.schedule, p, m, v, pp_rank).saved) / v
 
 
 def bubble(layout: Layout) -> float:
-    """The share of a step a pipeline rank idles: (p - 1)/(m + p - 1) for gpipe and 1f1b,
-    (p - 1)/(v·m + p - 1) interleaved (Narayanan et al. 2021, sections 2.2.1-2.2.2)."""
-    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
-    return (p - 1) / (v * m + p - 1)
+    """The share of a step a pipeline rank idles, from torch's schedule played out with a
+    backward costing two forwards: (p - 1)/(m + p - 1) for gpipe and 1f1b, (p - 1)/(v·m +
+    p - 1) interleaved (Narayanan et al. 2021, sections 2.2.1-2.2.2), less under the
+    zero-bubble schedules, which fill the idle time with weight gradients."""
+    return bubble_share(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
 
 
 def p2p_bytes(args: ModelArgs, layout: Layout, seq: int, itemsize: int) -> int:

@@ -5,17 +5,17 @@ llm.estimate.layout_estimate; those that fit first, fastest first, then the rest
 Candidates: tp a divisor of gpus_per_node that the heads, kv heads, d_model and d_ff
 divide (tensor parallel stays on NVLink, as Megatron advises); pp a divisor of the rest
 with at least one block per stage; dp what remains, dividing the global batch; micro-
-batches of 1-8 sequences; a pipeline needs at least pp micro-batches (1f1b's warm-up; the
-interleaved schedule also a multiple of pp). The schedule, virtual stages and sequence
-parallel are the config's (parallelism.pp_schedule, pp_virtual_stages,
-sequence_parallel).
+batches of 1-8 sequences; a pipeline needs at least pp micro-batches and what its schedule
+needs of them (llm.config.pp_schedule_problem: the interleaved schedules run whole
+rounds). The schedule, virtual stages and sequence parallel are the config's
+(parallelism.pp_schedule, pp_virtual_stages, sequence_parallel).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from llm.config import Config
+from llm.config import Config, pp_schedule_problem
 from llm.errors import ConfigError
 from llm.estimate.cluster import Cluster
 from llm.estimate.estimator import estimate_policy
@@ -52,7 +52,8 @@ def layouts(cfg: Config, args: ModelArgs, cluster: Cluster, batch: int) -> Itera
                 continue
             for b in MICRO_BATCHES:
                 m, rest = divmod(batch // dp, b)
-                if rest or m < pp or (v > 1 and m % pp):
+                schedule = par.pp_schedule if pp > 1 else "1f1b"
+                if rest or m < pp or (pp > 1 and pp_schedule_problem(schedule, pp, v, m)):
                     continue
                 for zero in ZERO_STAGES:
                     for recompute in RECOMPUTES:
@@ -65,7 +66,7 @@ def layouts(cfg: Config, args: ModelArgs, cluster: Cluster, batch: int) -> Itera
                             micro_batch=b,
                             microbatches=m,
                             sequence_parallel=par.sequence_parallel and tp > 1,
-                            schedule=par.pp_schedule if pp > 1 else "1f1b",
+                            schedule=schedule,
                             virtual_stages=v,
                         )
 

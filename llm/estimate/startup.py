@@ -10,7 +10,6 @@ import torch
 
 from llm.config import Config
 from llm.estimate.estimator import GIB, estimate
-from llm.estimate.layout import SCHEDULES
 from llm.estimate.report import human, largest_stage
 from llm.validate import model_args_for, resolve_device
 
@@ -29,10 +28,6 @@ def announce_estimate(cfg: Config, world: int) -> None:
         memory = torch.cuda.get_device_properties(device).total_memory
         est_cfg.device_memory_gb = memory / GIB
     run = dataclasses.replace(cfg, estimate=est_cfg)
-    par = cfg.parallelism
-    if par.pp_size > 1 and par.pp_schedule not in SCHEDULES:
-        print(f"no estimate: the estimator does not model pp_schedule={par.pp_schedule}")
-        return
     est = estimate(run, model_args_for(cfg, vocab_size=cfg.data.vocab_size))
     if est.stages is None:
         print(f"estimate per rank: {_rows(est.device)} (python -m llm.estimate)")
