@@ -166,3 +166,47 @@ def test_cli_writes_json(tmp_path):
     assert all(r["dp"] * r["tp"] * r["pp"] == 4 for r in rows)
     fitting = [r["step_time_s"] for r in rows if r["fits"]]
     assert fitting == sorted(fitting) and rows[0]["fits"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "blocks_held"),
+    [
+        (["parallelism=ddp", "parallelism.pp_size=2"], "all"),  # replicate: nothing resharded
+        (["parallelism=fsdp", "parallelism.reshard_after_forward=false"], "all"),
+        (["parallelism=fsdp"], "last"),  # re-gathered by the first backward
+        (["parallelism=ddp"], "none"),  # torch's DDP computes with the parameters themselves
+    ],
+)
+def test_gathered_weights_are_the_weights_autograd_saves(overrides, blocks_held):
+    """gpt2-tiny, fp32, one sequence of 64 tokens: a block's linear weights (12·d²) and
+    LayerNorm gains and biases (4·d); the root's final LayerNorm (2·d) and the tied head
+    (V·d), whose lookup as an embedding saves nothing. Resharded blocks: the last one,
+    gathered by the first backward after the head's saved tensors are freed."""
+    nproc = 4 if "parallelism.pp_size=2" in overrides else 2
+    cfg = compose_config(
+        [
+            "output_dir=unused",
+            "logger=none",
+            "model=gpt2-tiny",
+            "data.seq_len=64",
+            "train.micro_batch_size=1",
+            f"launcher.nproc_per_node={nproc}",
+            "estimate.device=cpu",
+            *overrides,
+        ]
+    )
+    args = model_args_for(cfg, vocab_size=257)
+    d, v = args.d_model, 257
+    block, root = 4 * (12 * d * d + 4 * d), 4 * (2 * d + v * d)
+    est = estimate(cfg, args)
+    if blocks_held == "none":
+        assert "gathered_weights" not in est.device
+    elif blocks_held == "all" and est.stages:  # stage 0: its block; stage 1: block, norm, head
+        assert [s.device["gathered_weights"] for s in est.stages] == [block, block + root]
+    elif blocks_held == "all":
+        assert est.device["gathered_weights"] == root + args.n_layers * block
+    else:
+        terms = est.activations["outside_terms"]
+        head = sum(n for k, n in terms.items() if not k.startswith(("embed.", "pos_embed.")))
+        assert 0 < head < block
+        assert est.device["gathered_weights"] == root + block - head

@@ -94,17 +94,13 @@ def test_data_parallel_pipelines_match_single_process(
     zero1: the full gradient buckets reduce-scattered once, at the step's last backward;
     zero3: blocks gathered per micro-batch, the head kept gathered until the step's last
     backward (GPipe runs every forward before the first backward). The estimate per stage
-    equals what each rank measured; under ddp model states only: the weights the matmuls
-    and norms save are ``replicate``'s unsharded storages (FSDP2's machinery), not the
-    parameters ``strategy.memory()`` names, so the tracker counts them as activations
-    (stage 0: 197,632 bytes over the formula, about block 0's weights), which the estimator
-    does not model."""
+    equals what each rank measured; under ddp with the weights the matmuls and norms save,
+    which are ``replicate``'s gathered storages (FSDP2's machinery), not the parameters
+    ``strategy.memory()`` names (the estimate's ``gathered_weights``)."""
     extra = f"parallelism.pp_schedule={schedule}"
     summary, out = dp_pp_run(tmp_path, text_corpus, cache_dir, strategy, extra)
     assert_run_matches(reference("gpt2-tiny"), out, STEPS)
-    assert_stage_estimates(
-        summary, *dp_pp_overrides(strategy, extra), activations=strategy != "ddp"
-    )
+    assert_stage_estimates(summary, *dp_pp_overrides(strategy, extra))
 
 
 @pytest.mark.slow
@@ -132,9 +128,7 @@ def test_data_parallel_tensor_pipeline(tmp_path, reference, text_corpus, cache_d
     summary, out = dp_pp_run(tmp_path, text_corpus, cache_dir, strategy, tp, nproc=8)
     assert (summary["dp_size"], summary["tp_size"], summary["pp_size"]) == (2, 2, 2)
     assert_run_matches(reference("gpt2-tiny", "model.vocab_size=258"), out, STEPS)
-    assert_stage_estimates(
-        summary, *dp_pp_overrides(strategy, tp, nproc=8), activations=strategy != "ddp"
-    )
+    assert_stage_estimates(summary, *dp_pp_overrides(strategy, tp, nproc=8))
 
 
 @pytest.mark.slow

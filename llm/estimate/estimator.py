@@ -9,12 +9,18 @@ from dataclasses import dataclass
 import torch
 
 from llm.config import Config
-from llm.estimate.activations import estimate_activations
-from llm.estimate.stages import StageShape, held_at_peak, outputs_per_stage, saved_per_stage
+from llm.estimate.activations import estimate_activations, outside_by_stage
+from llm.estimate.gathered import gathered_saved_bytes
+from llm.estimate.stages import (
+    StageShape,
+    held_at_peak,
+    outputs_per_stage,
+    saved_per_stage,
+)
 from llm.estimate.states import RankStates, model_states, paper_states
 from llm.models import build_model, freeze
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
-from llm.parallel.tensor_parallel import padded_vocab
+from llm.parallel.tensor_parallel import padded_vocab, tp_local_shapes
 from llm.precision import PrecisionPolicy, resolve_precision
 
 GIB = 2**30
@@ -147,6 +153,8 @@ def estimate(cfg: Config, args) -> Estimate:
     model = meta_model(cfg, args)
     states = model_states(model, par, policy, cfg.optimizer, world, e.rank)
     states.device["activations"] = acts.total
+    head = outside_by_stage(acts.outside)[1]
+    _add_gathered(states, [model], model, cfg, policy, [head], e.rank)
     if name == "offload":  # the saved tensors live in pinned host memory
         states.host["activations"] = acts.n_layers * sum(acts.layer_none.values())
     n = sum(p.numel() for p in model.parameters())
@@ -175,9 +183,23 @@ def _stage(cfg: Config, args, acts, policy, stream, micro_batch: int, pp_rank: i
         kept = dataclasses.replace(acts, layer=acts.layer_none, outside={})
         kept_saved = saved_per_stage(kept, pipe, pp_rank)
         states.host["activations"] = held_at_peak(pipe, m, pp_rank, kept_saved, outputs)[0]
+    head = outside_by_stage(acts.outside)[1]
+    heads = [head * (s == pipe.n_stages - 1) for s in pipe.stages_of(pp_rank)]
+    _add_gathered(states, part.stages(), part, cfg, policy, heads, rank)
     n = sum(p.numel() for p in part.parameters())
     host = {k: v for k, v in states.host.items() if v}
     return StageRows(pp_rank, rank, states.device, host, n)
+
+
+def _add_gathered(states: RankStates, roots, model, cfg: Config, policy, heads, rank: int) -> None:
+    """The ``gathered_weights`` row where FSDP2's gathered parameters are saved by autograd
+    (llm.estimate.gathered), in the working dtype FSDP2 gathers in."""
+    tp = cfg.parallelism.tp_size
+    shapes = tp_local_shapes(model, tp, rank % tp)
+    itemsize = policy.working_dtype.itemsize
+    held = gathered_saved_bytes(roots, cfg.parallelism, shapes, itemsize, heads)
+    if held:
+        states.device["gathered_weights"] = held
 
 
 def meta_model(cfg: Config, args, pp_rank: int | None = None):

@@ -8,7 +8,12 @@ from rich.table import Table
 from llm.estimate.estimator import Estimate
 
 # Column names of the per-stage table, short enough for an 80-column terminal.
-SHORT = {"optimizer_states": "optimizer", "activations": "activ.", "stage_outputs": "outputs"}
+SHORT = {
+    "optimizer_states": "optimizer",
+    "activations": "activ.",
+    "stage_outputs": "outputs",
+    "gathered_weights": "gathered",
+}
 
 
 def human(n: float) -> str:
@@ -39,7 +44,7 @@ def estimate_table(est: Estimate, title: str) -> Table:
 def stages_table(est: Estimate) -> Table:
     """Every pipeline rank's rows (at estimate.rank's dp and tp coordinate), the largest
     marked: the rank that sets the peak."""
-    rows = list(est.stages[0].device)
+    rows = list(dict.fromkeys(r for stage in est.stages for r in stage.device))
     table = Table(title="per pipeline stage (rank), MiB")
     for name in ("stage", "rank", *(SHORT.get(r, r) for r in rows), "total"):
         table.add_column(name, justify="right", no_wrap=True)
@@ -48,7 +53,7 @@ def stages_table(est: Estimate) -> Table:
         table.add_row(
             str(stage.pp_rank),
             str(stage.rank),
-            *(_mib(stage.device[r]) for r in rows),
+            *(_mib(stage.device.get(r, 0)) for r in rows),
             _mib(stage.total),
             style="bold" if largest else None,
         )

@@ -32,6 +32,11 @@ class StageShape:
 LOSS_TERMS = "loss."  # the outside terms of the loss, after the head
 
 
+def loss_bytes(acts: ActivationEstimate) -> int:
+    """One micro-batch's tensors the loss saves (after the head)."""
+    return sum(v for k, v in acts.outside.items() if k.startswith(LOSS_TERMS))
+
+
 def saved_per_stage(
     acts: ActivationEstimate, pipe: PipelineLayout, pp_rank: int
 ) -> tuple[list[int], list[int]]:
@@ -43,7 +48,7 @@ def saved_per_stage(
     intermediates."""
     blocks = pipe.stage_blocks()
     first, last = outside_by_stage(acts.outside)
-    loss = sum(v for k, v in acts.outside.items() if k.startswith(LOSS_TERMS))
+    loss = loss_bytes(acts)
     weights, losses = [], []
     for stage in pipe.stages_of(pp_rank):
         is_last = stage == pipe.n_stages - 1
