@@ -14,6 +14,7 @@ import torch
 
 from llm.attention import check_kernel, get_kernel
 from llm.config import Config
+from llm.data.tokenizer import ByteTokenizer
 from llm.errors import ConfigError
 from llm.models import HFSource, ModelArgs, build_model, freeze, model_args
 from llm.optim import OPTIMIZERS
@@ -36,6 +37,13 @@ def resolve_device(cfg: Config) -> torch.device:
     if cfg.train.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda")
+
+
+def tokenizer_vocab_size(cfg: Config) -> int:
+    """The vocabulary the run's tokenizer will have, known before it is built: the byte
+    tokenizer's 257, else data.vocab_size (the size a BPE is trained to; an HF tokenizer's
+    own is known only once loaded)."""
+    return ByteTokenizer.vocab_size if cfg.data.tokenizer == "byte" else cfg.data.vocab_size
 
 
 def model_args_for(cfg: Config, vocab_size: int | None = None) -> ModelArgs:

@@ -10,7 +10,10 @@ from helpers import compose_config, run, small_run_overrides
 
 from llm.estimate.estimator import estimate
 from llm.estimate.plan import plan
-from llm.validate import model_args_for
+from llm.estimate.report import human
+from llm.estimate.startup import announce_estimate
+from llm.models import model_args, num_params
+from llm.validate import model_args_for, tokenizer_vocab_size
 
 GB = 1e9
 
@@ -181,7 +184,8 @@ def test_gathered_weights_are_the_weights_autograd_saves(overrides, blocks_held)
     """gpt2-tiny, fp32, one sequence of 64 tokens: a block's linear weights (12·d²) and
     LayerNorm gains and biases (4·d); the root's final LayerNorm (2·d) and the tied head
     (V·d), whose lookup as an embedding saves nothing. Resharded blocks: the last one,
-    gathered by the first backward after the head's saved tensors are freed."""
+    gathered by the first backward after the head's saved tensors and the root's gathered
+    weights are freed (here it outweighs the root before backward)."""
     nproc = 4 if "parallelism.pp_size=2" in overrides else 2
     cfg = compose_config(
         [
@@ -208,5 +212,16 @@ def test_gathered_weights_are_the_weights_autograd_saves(overrides, blocks_held)
     else:
         terms = est.activations["outside_terms"]
         head = sum(n for k, n in terms.items() if not k.startswith(("embed.", "pos_embed.")))
-        assert 0 < head < block
-        assert est.device["gathered_weights"] == root + block - head
+        assert 0 < head < block and block - head > root
+        assert est.device["gathered_weights"] == block - head
+
+
+def test_estimate_sizes_the_tokenizers_vocabulary(capsys):
+    """python -m llm.estimate and train.py's start-up estimate take the byte tokenizer's 257
+    ids, not data.vocab_size (the size a BPE would be trained to)."""
+    byte = ["output_dir=unused", "logger=none", "model=gpt2-tiny", "data.tokenizer=byte"]
+    cfg = compose_config(byte)
+    assert cfg.data.vocab_size != 257 and tokenizer_vocab_size(cfg) == 257
+    announce_estimate(cfg, 1)
+    params = 4 * num_params(model_args("gpt2-tiny", vocab_size=257))
+    assert f"params {human(params)}" in capsys.readouterr().out

@@ -19,6 +19,7 @@ from helpers import (
     read_metrics,
     reference_runs,
     run,
+    train_losses,
 )
 
 STEPS = 4
@@ -154,3 +155,78 @@ def test_zero_checkpoints_move_between_pipeline_and_one_process(
     )
     for out in (resumed_single, resumed_pp):
         assert_run_matches(reference("gpt2-tiny"), out, STEPS, first_step=STEPS // 2 + 1)
+
+
+# fp16 with our dynamic loss scaler, started where gpt2-tiny's gradients overflow within a
+# few steps, doubled after every clean step and halved at once on an overflow.
+FP16 = (
+    "precision=fp16",
+    "precision.initial_scale=131072",
+    "precision.growth_interval=1",
+    "precision.hysteresis=1",
+    "train.max_steps=8",
+)
+
+
+def _scaler_trace(out) -> list[tuple]:
+    return [(m["loss_scale"], m["skipped"]) for m in read_metrics(out) if "loss" in m]
+
+
+@pytest.mark.slow
+def test_fp16_overflow_is_decided_over_every_stage(tmp_path, text_corpus, cache_dir):
+    """The step is skipped on every rank when any stage's gradients overflow: the decision
+    reads the gradient norm all-reduced over every stage and dp rank. zero2 over dp=2 x
+    pp=2 logs the loss-scale trace and skipped steps of zero2 over dp=2 alone with the same
+    micro-batches of 2 (overflows at steps 3, 6 and 7), and its losses stay equal to it
+    after them: a stage that stepped while the other skipped would part the losses. (Our
+    ZeRO keeps fp16 gradients, so it overflows at scales where one process's fp32 gradients
+    do not: the reference is ZeRO's own run.) pp=2 alone (fp32 gradients) follows one
+    process the same way."""
+    pp = dp_pp_run(tmp_path, text_corpus, cache_dir, "zero2", *FP16, name="zero2_pp")[1]
+    dp = run(
+        tmp_path,
+        "zero2_dp",
+        text_corpus,
+        cache_dir,
+        *FP16,
+        "parallelism=zero2",
+        "launcher.nproc_per_node=2",
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=2",
+    )[1]
+    assert _scaler_trace(pp) == _scaler_trace(dp)
+    assert sum(skipped for _, skipped in _scaler_trace(pp)) >= 2
+    assert train_losses(pp) == pytest.approx(train_losses(dp), rel=1e-5)
+
+    pp_alone = ("launcher.nproc_per_node=2", "parallelism.pp_size=2", "train.micro_batch_size=8")
+    single = ("train.micro_batch_size=2", "train.grad_accum_steps=4")
+    pp = run(
+        tmp_path, "pp", text_corpus, cache_dir, *FP16, *pp_alone, "parallelism.pp_microbatches=4"
+    )[1]
+    one = run(tmp_path, "single", text_corpus, cache_dir, *FP16, *single)[1]
+    assert _scaler_trace(pp) == _scaler_trace(one)
+    assert sum(skipped for _, skipped in _scaler_trace(pp)) >= 1
+    assert train_losses(pp) == pytest.approx(train_losses(one), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_zero3_pipeline_under_recompute(tmp_path, reference, text_corpus, cache_dir, recompute):
+    """zero3 gathers a block's parameters again for the recomputed forward inside its
+    backward; under 1f1b over dp=2 x pp=2 the run still equals one process, and the estimate
+    per stage (the recompute policy's activations) equals what each rank measured."""
+    extra = f"recompute={recompute}"
+    summary, out = dp_pp_run(tmp_path, text_corpus, cache_dir, "zero3", extra)
+    assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+    assert_stage_estimates(summary, *dp_pp_overrides("zero3", extra))
+
+
+@pytest.mark.slow
+def test_hsdp_pipeline_matches_single_process(tmp_path, reference, text_corpus, cache_dir):
+    """fsdp with parallelism.replicate=2 (HSDP) over each stage's dp ranks: dp=4 as 2
+    replicas x 2 shards, x pp=2 on 8 ranks, each dp rank reading 2 of the batch of 8."""
+    extra = ("parallelism=fsdp", "parallelism.replicate=2", "train.micro_batch_size=2")
+    summary, out = dp_pp_run(tmp_path, text_corpus, cache_dir, "fsdp", *extra, nproc=8)
+    assert (summary["dp_size"], summary["pp_size"]) == (4, 2)
+    assert_run_matches(reference("gpt2-tiny"), out, STEPS)
+    assert_stage_estimates(summary, *dp_pp_overrides("fsdp", *extra, nproc=8))

@@ -19,7 +19,7 @@ from llm.errors import LabError
 from llm.estimate.estimator import estimate, world_size
 from llm.estimate.plan import global_batch, plan, plan_row
 from llm.estimate.report import human, print_estimate
-from llm.validate import model_args_for
+from llm.validate import model_args_for, tokenizer_vocab_size
 
 register_configs()
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
@@ -60,7 +60,7 @@ def _plan_table(cfg, rows) -> Table:
 def main(dict_cfg: DictConfig) -> None:
     try:
         cfg = to_dataclass(dict_cfg)
-        args = model_args_for(cfg, vocab_size=cfg.data.vocab_size)
+        args = model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg))
         est = estimate(cfg, args)
         print_estimate(est, _title(cfg))
         out = est.to_json()

@@ -10,10 +10,12 @@ bias; not an embedding's (a lookup saves the indices) nor a linear's bias.
 When they are held, measured on gpt2-tiny and llama-tiny (docs/parallel.md):
 - replicate, and fsdp with ``reshard_after_forward=false``: nothing is resharded, so every
   saved weight of the root (or pipeline stage) stays gathered;
-- fsdp: the root (embeddings, final norm, head) is never resharded; the blocks are, and the
-  first backward gathers the last block again while every in-flight micro-batch is still
-  held. On a stage with the head, the backward of the final norm, head and loss frees
-  their tensors before that gather, so the block counts only by what it adds beyond them.
+- fsdp: the root (embeddings, final norm, head) stays gathered through forward; the blocks
+  are resharded, and the first backward gathers the last block again while every
+  in-flight micro-batch is still held. On a stage with the head, the backward of the final
+  norm, head and loss first frees their tensors and the root's gathered weights (FSDP2
+  reshards a group once its gradients are done), so the peak is the larger of the root's
+  weights before backward and what the block adds beyond the freed tensors.
 """
 
 from __future__ import annotations
@@ -63,9 +65,11 @@ def gathered_saved_bytes(
     total = 0
     for root, freed in zip(roots, freed_first, strict=True):
         blocks = [saved_weight_bytes(b, shapes, itemsize) for b in model_blocks(root)]
-        total += saved_weight_bytes(root, shapes, itemsize)
+        own = saved_weight_bytes(root, shapes, itemsize)
         if not resharded:
-            total += sum(blocks)
-        elif blocks:
-            total += max(0, blocks[-1] - freed)
+            total += own + sum(blocks)
+        elif freed:  # the stage with the head
+            total += max(own, blocks[-1] - freed if blocks else 0)
+        else:
+            total += own + (blocks[-1] if blocks else 0)
     return total

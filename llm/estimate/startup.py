@@ -11,7 +11,7 @@ import torch
 from llm.config import Config
 from llm.estimate.estimator import GIB, estimate
 from llm.estimate.report import human, largest_stage
-from llm.validate import model_args_for, resolve_device
+from llm.validate import model_args_for, resolve_device, tokenizer_vocab_size
 
 
 def _rows(device: dict[str, int]) -> str:
@@ -28,7 +28,7 @@ def announce_estimate(cfg: Config, world: int) -> None:
         memory = torch.cuda.get_device_properties(device).total_memory
         est_cfg.device_memory_gb = memory / GIB
     run = dataclasses.replace(cfg, estimate=est_cfg)
-    est = estimate(run, model_args_for(cfg, vocab_size=cfg.data.vocab_size))
+    est = estimate(run, model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg)))
     if est.stages is None:
         print(f"estimate per rank: {_rows(est.device)} (python -m llm.estimate)")
     else:

@@ -71,8 +71,9 @@ def model_states(
     shapes = tp_local_shapes(model, tp, rank % tp)
     if par.name in ("single", "ddp"):
         return _replica(params, shapes, policy, opt)
-    if par.name == "fsdp":
-        return _fsdp(params, shapes, policy, opt, dp, dp_rank, par.offload_params)
+    if par.name == "fsdp":  # HSDP shards within each of the replicate groups
+        shard = dp // par.replicate
+        return _fsdp(params, shapes, policy, opt, shard, dp_rank % shard, par.offload_params)
     if par.name in ("zero1", "zero2", "zero3"):
         return _zero(model, shapes, par, policy, opt, dp, dp_rank)
     return paper_states(
