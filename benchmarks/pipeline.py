@@ -4,21 +4,27 @@ holds, the bytes sent across a stage boundary.
 Per schedule and micro-batch count m, ``--pp`` CPU ranks (gloo) run a model split by
 llm.parallel.pipeline exactly as the Trainer runs it (strategy ``single``, its
 ``schedule.forward_backward``), with a fixed batch of ``--batch`` sequences split into m
-micro-batches of b = batch / m. Per stage:
+micro-batches of b = batch / m; the multi-stage schedules place ``--virtual`` stages on
+each rank. Per rank, beside the estimator's figures (llm.estimate.schedule_steps: closed
+forms for gpipe and 1f1b, torch's own action orders for the others):
 
-- idle: 1 - (time inside the stage's forward and backward chunks) / step time, the median
-  over ``--steps`` timed steps (after ``--warmup``), beside the bubble (p-1)/(m+p-1) of
-  GPipe and 1F1B. Measured on shared CPU cores: the stages' compute must dominate, hence
-  the defaults (d 256, 4 blocks, a byte vocabulary), and noise is expected.
-- in flight: the most micro-batches whose forward ran and backward did not, beside
-  GPipe's m and 1F1B's min(m, p - stage); activations: the peak of live activation bytes
-  in one tracked step (llm.memory.PeakTracker, at the step's peak), beside in flight x the
-  bytes one micro-batch's forward keeps on that stage (llm.memory.ActivationMemoryCounter).
+- idle: 1 - (time inside the rank's forward and backward chunks) / step time, the median
+  over ``--steps`` timed steps (after ``--warmup``), beside the bubble: (p-1)/(m+p-1) for
+  GPipe and 1F1B, the orders played out with unit costs for the others. Measured on shared
+  CPU cores: the stages' compute must dominate, hence the defaults (d 256, 4 blocks, a byte
+  vocabulary), and noise is expected.
+- in flight: the most stage micro-batches whose forward ran and whose weight gradients did
+  not (a full backward, or a split backward's weight half), beside the schedule's count;
+  activations: the peak of live activation bytes in one tracked step
+  (llm.memory.PeakTracker, at the step's peak), beside the in-flight micro-batches x the
+  bytes one micro-batch's forward keeps on each stage (llm.memory.ActivationMemoryCounter).
 - sent: bytes per step of the stage-to-stage sends (forward activations and backward
-  gradients; ``parallelism.count_comm``'s ``pp.send_*``), beside 2 x m x b x s x h x 4 (one (b, s, h) fp32 tensor each way
-  per micro-batch; the last stage sends gradients only, the first activations only).
+  gradients; ``parallelism.count_comm``'s ``pp.send_*``), beside m x b x s x h x 4 for each
+  direction each of the rank's stages sends to another rank in (the last stage sends
+  gradients only, the first activations only).
 
     python benchmarks/pipeline.py                        # pp 2, m 2,4,8, gpipe and 1f1b
+    python benchmarks/pipeline.py --schedules interleaved_1f1b,interleaved_zero_bubble --microbatches 4,8
     python benchmarks/pipeline.py --pp 4 --layers 8 --microbatches 4,8,16
 """
 
@@ -40,8 +46,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llm.config import ParallelismConfig
-from llm.estimate.schedule_steps import peak_state
+from llm.config import PP_SINGLE_STAGE, ParallelismConfig, pp_schedule_problem
+from llm.estimate.schedule_steps import bubble_share, peak_state
 from llm.launch import free_port
 from llm.memory import ActivationMemoryCounter, PeakTracker, module_state_tensors
 from llm.models import InitSource, build_model, model_args
@@ -56,30 +62,44 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
-class _StageProbe:
-    """Wraps a PipelineStage's forward and backward chunks: busy time and micro-batches in
-    flight."""
+class _RankProbe:
+    """Wraps the forward and backward chunks of a rank's stages: busy time and stage
+    micro-batches in flight (until their weight gradients: a full backward, or the weight
+    half of a split one)."""
 
-    def __init__(self, stage) -> None:
+    def __init__(self, stages) -> None:
         self.busy = 0.0
         self.in_flight = self.max_in_flight = 0
-        for name, delta in (
-            ("forward_one_chunk", 1),
-            ("backward_one_chunk", -1),
-            ("backward_weight_one_chunk", 0),
-        ):
-            setattr(stage, name, self._timed(getattr(stage, name), delta))
+        for stage in stages:
+            for name, delta in (
+                ("forward_one_chunk", _forward),
+                ("backward_one_chunk", _backward),
+                ("backward_weight_one_chunk", _weight_half),
+            ):
+                setattr(stage, name, self._timed(getattr(stage, name), delta))
 
-    def _timed(self, fn, delta: int):
+    def _timed(self, fn, delta):
         def run(*args, **kwargs):
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             self.busy += time.perf_counter() - start
-            self.in_flight += delta
+            self.in_flight += delta(*args, **kwargs)
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             return out
 
         return run
+
+
+def _forward(*args, **kwargs) -> int:
+    return 1
+
+
+def _backward(chunk, loss=None, full_backward=True, last_backward=False) -> int:
+    return -1 if full_backward else 0  # the input half keeps what the weight half needs
+
+
+def _weight_half(*args, **kwargs) -> int:
+    return -1
 
 
 def _rank(rank: int, world: int, port: int, opts: argparse.Namespace, queue) -> None:
@@ -110,7 +130,14 @@ def _measure(rank: int, world: int, opts, schedule: str, m: int) -> dict:
         vocab_size=256,
         max_seq_len=opts.seq_len,
     )
-    cfg = ParallelismConfig(pp_size=world, pp_schedule=schedule, pp_microbatches=m, count_comm=True)
+    v = 1 if schedule in PP_SINGLE_STAGE else opts.virtual
+    cfg = ParallelismConfig(
+        pp_size=world,
+        pp_schedule=schedule,
+        pp_microbatches=m,
+        pp_virtual_stages=v,
+        count_comm=True,
+    )
     dims = ParallelDims.from_config(1, 1, world, world, rank)
     part = PipelinePart(build_model(args), PipelineLayout.from_config(cfg, args.n_layers), rank)
     strategy = build_strategy(cfg, dims, resolve_precision("fp32", device), device)
@@ -127,8 +154,7 @@ def _measure(rank: int, world: int, opts, schedule: str, m: int) -> dict:
 
     for _ in range(opts.warmup):
         step()
-    (stage,) = pipeline.stages
-    probe = _StageProbe(stage)
+    probe = _RankProbe(pipeline.stages)
     idle, sent = [], []
     for _ in range(opts.steps):
         probe.busy = 0.0
@@ -143,24 +169,29 @@ def _measure(rank: int, world: int, opts, schedule: str, m: int) -> dict:
     tracker.watch(lambda: module_state_tensors(part))
     with tracker.step(tracked=True):
         step()
+    b = opts.batch // m
     return {
         "schedule": schedule,
         "m": m,
-        "stage": stage.stage_index,
+        "v": v,
+        "rank": rank,
+        "stages": [stage.stage_index for stage in pipeline.stages],
+        "n_stages": pipeline.stages[0].num_stages,
         "idle": statistics.median(idle),
         "in_flight": probe.max_in_flight,
         "activations": tracker.last_step["activations"],
-        "per_microbatch": _one_microbatch(part, stage, opts, m, args.d_model),
+        "per_microbatch": [
+            _one_microbatch(module, stage, opts, b, args.d_model)
+            for module, stage in zip(part.stages(), pipeline.stages, strict=True)
+        ],
         "sent": statistics.median(sent),
-        "b": opts.batch // m,
+        "b": b,
     }
 
 
-def _one_microbatch(part: PipelinePart, stage, opts, m: int, d: int) -> int:
+def _one_microbatch(module, stage, opts, b: int, d: int) -> int:
     """Bytes one micro-batch's forward keeps for backward on this stage (the last stage's
     loss included: its log-softmax is kept too)."""
-    b = opts.batch // m
-    module = part.stages()[0]
     x = (
         torch.randint(0, 256, (b, opts.seq_len))
         if stage.is_first
@@ -175,29 +206,38 @@ def _one_microbatch(part: PipelinePart, stage, opts, m: int, d: int) -> int:
 
 
 def expected(row: dict, p: int, seq_len: int, d: int) -> dict:
-    """The formulas for one stage's row: bubble, micro-batches in flight, bytes sent."""
-    m, s = row["m"], row["stage"]
-    directions = (s < p - 1) + (s > 0)  # activations forward, gradients backward
+    """The estimator's figures for one rank's row: bubble, stage micro-batches in flight
+    (the most at once) and the activation bytes at the byte-weighted peak, bytes sent."""
+    schedule, m, v, last = row["schedule"], row["m"], row["v"], row["n_stages"] - 1
+    # Activations forward, gradients backward, to a neighbour stage on another rank (a V's
+    # middle stages p-1 and p share the last rank: nothing is sent between them).
+    mine = set(row["stages"])
+    directions = sum((s < last and s + 1 not in mine) + (s > 0 and s - 1 not in mine) for s in mine)
+    weighted = peak_state(schedule, p, m, v, row["rank"], row["per_microbatch"])
     return {
-        "bubble": (p - 1) / (m + p - 1),
-        "in_flight": peak_state(row["schedule"], p, m, 1, s).saved[0],
+        "bubble": bubble_share(schedule, p, m, v),
+        "in_flight": sum(peak_state(schedule, p, m, v, row["rank"]).saved),
+        "activations": sum(
+            n * b for n, b in zip(weighted.saved, row["per_microbatch"], strict=True)
+        ),
         "sent": directions * m * row["b"] * seq_len * d * 4,
     }
 
 
 def _table(all_rows: list[list[dict]], p: int, seq_len: int, d: int) -> str:
     head = (
-        "| schedule | m | stage | idle | (p-1)/(m+p-1) | in flight | formula | activations MiB "
-        "| in flight x one micro-batch MiB | sent MiB | formula MiB |"
+        "| schedule | v | m | rank (stages) | idle | bubble, estimate | in flight | estimate "
+        "| activations MiB | estimate MiB | sent MiB | formula MiB |"
     )
-    lines = [head, "|" + " --- |" * 11]
+    lines = [head, "|" + " --- |" * 12]
     for rows in all_rows:
         for r in rows:
             f = expected(r, p, seq_len, d)
+            stages = ", ".join(map(str, r["stages"]))
             lines.append(
-                f"| {r['schedule']} | {r['m']} | {r['stage']} | {r['idle']:.2f} "
-                f"| {f['bubble']:.2f} | {r['in_flight']} | {f['in_flight']} "
-                f"| {r['activations'] / MiB:.2f} | {f['in_flight'] * r['per_microbatch'] / MiB:.2f} "
+                f"| {r['schedule']} | {r['v']} | {r['m']} | {r['rank']} ({stages}) "
+                f"| {r['idle']:.2f} | {f['bubble']:.2f} | {r['in_flight']} | {f['in_flight']} "
+                f"| {r['activations'] / MiB:.2f} | {f['activations'] / MiB:.2f} "
                 f"| {r['sent'] / MiB:.2f} | {f['sent'] / MiB:.2f} |"
             )
     return "\n".join(lines)
@@ -208,6 +248,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--microbatches", default="2,4,8")
+    parser.add_argument("--virtual", type=int, default=2, help="stages per rank (multi-stage)")
     parser.add_argument("--model", default="gpt2-tiny", help="family and init; sizes below")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -219,7 +260,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measure(opts: argparse.Namespace) -> list[list[dict]]:
-    """One list of per-stage rows per (schedule, m), from ``--pp`` spawned ranks."""
+    """One list of per-rank rows per (schedule, m), from ``--pp`` spawned ranks; a schedule
+    that cannot run m micro-batches is refused before any rank starts."""
+    for schedule in opts.schedules.split(","):
+        v = 1 if schedule in PP_SINGLE_STAGE else opts.virtual
+        for m in map(int, opts.microbatches.split(",")):
+            if problem := pp_schedule_problem(schedule, opts.pp, v, m):
+                raise SystemExit(problem)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
