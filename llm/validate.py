@@ -21,7 +21,7 @@ from llm.optim import OPTIMIZERS
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline import check_layout
 from llm.parallel.strategy import refuse_optimizer
-from llm.parallel.tensor_parallel import check_tensor_parallel
+from llm.parallel.tensor_parallel import check_tensor_parallel, kv_replicated
 from llm.precision import resolve_precision
 from llm.train.checkpoint_files import META, list_checkpoints, step_of
 
@@ -113,9 +113,26 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             )
     p = cfg.parallelism
     check_tensor_parallel(args, tp, cfg.data.seq_len, p.sequence_parallel)
+    if tp > 1 and kv_replicated(args.n_kv_heads, tp):
+        _announce_replicated_kv(args, tp)
     _validate_pipeline(cfg, args)
     _validate_attention(cfg, args, precision.compute_dtype, device)
     _validate_recompute(cfg, device)
+
+
+def _announce_replicated_kv(args: ModelArgs, tp: int) -> None:
+    """Say which way tensor parallel places the kv heads when it cannot split them, and the
+    cost: each rank holds and computes the whole wk and wv, and sums their gradients."""
+    whole = 2 * args.n_layers * args.d_model * args.n_kv_heads * args.head_dim
+    log.info(
+        "tensor parallel replicates model.n_kv_heads=%d over parallelism.tp_size=%d: every "
+        "rank holds and computes the whole wk and wv (%d parameters, %d more than 1/tp of "
+        "them) and all-reduces their gradients over tp; each rank attends with one kv head",
+        args.n_kv_heads,
+        tp,
+        whole,
+        whole - whole // tp,
+    )
 
 
 def _validate_pipeline(cfg: Config, args: ModelArgs) -> None:

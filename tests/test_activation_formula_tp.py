@@ -29,9 +29,9 @@ CPU = torch.device("cpu")
 TP, B, S = 2, 2, 16  # TP: the fake mesh's size
 
 
-def _measure(mesh, family, precision, backend, dropout, sp, recompute="none"):
+def _measure(mesh, family, precision, backend, dropout, sp, recompute="none", **shape):
     """Per-block and outside bytes one tp rank saves in a training forward and loss."""
-    args = model_args(family, vocab_size=258, dropout=dropout)  # 258: divisible by tp
+    args = model_args(family, vocab_size=258, dropout=dropout, **shape)  # 258: divisible by tp
     policy = resolve_precision(precision, CPU)
     model = apply_tensor_parallel(build_model(args, backend), mesh, sp)
     apply_recompute(model, RecomputeConfig(name=recompute))
@@ -77,6 +77,28 @@ def test_tp_formula_equals_measured(fake_tp_mesh, family, precision, backend, dr
 def test_tp_recompute_formula_equals_measured(fake_tp_mesh, family, recompute, sp):
     by_layer, layer, _ = _measure(fake_tp_mesh, family, "fp32", "eager", 0.1, sp, recompute)
     assert by_layer["layers.0"] == sum(layer.values()), layer
+
+
+@pytest.mark.parametrize(
+    "precision,backend,dropout,recompute",
+    [
+        ("fp32", "sdpa", 0.0, "none"),
+        ("fp32", "eager", 0.1, "none"),
+        ("bf16", "sdpa", 0.0, "none"),
+        ("fp32", "sdpa", 0.0, "selective"),
+    ],
+)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_replicated_kv_formula_equals_measured(
+    fake_tp_mesh, precision, backend, dropout, recompute, sp
+):
+    """Multi-query llama-tiny (1 kv head) at tp=2: wk and wv are replicated, so a rank's
+    flash-like core keeps one kv head (as the split would keep 1/tp of them), eager's
+    repeated k and v are its query heads', and autocast copies the whole wk and wv."""
+    by_layer, layer, _ = _measure(
+        fake_tp_mesh, "llama-tiny", precision, backend, dropout, sp, recompute, n_kv_heads=1
+    )
+    assert by_layer["layers.0"] == by_layer["layers.1"] == sum(layer.values()), layer
 
 
 def test_tp_divides_what_megatron_divides(fake_tp_mesh):

@@ -42,11 +42,16 @@ def test_rank_params_without_parallelism_is_the_whole_model(family):
     assert rank_params(args, Layout(dp=1), 0) == num_params(args)
 
 
-@pytest.mark.parametrize("family", ["gpt2-tiny", "llama-tiny"])
-def test_rank_params_equal_a_tensor_parallel_ranks_shards(fake_tp_mesh, family):
+@pytest.mark.parametrize(
+    ("family", "shape"),
+    [("gpt2-tiny", {}), ("llama-tiny", {}), ("llama-tiny", {"n_kv_heads": 1})],
+    ids=["gpt2", "llama", "llama-mqa"],
+)
+def test_rank_params_equal_a_tensor_parallel_ranks_shards(fake_tp_mesh, family, shape):
     """A tp=2 rank of the real split (DTensor on the fake process group) holds exactly the
-    formula's parameters: split matrices and column biases halved, the rest whole."""
-    args = model_args(family, vocab_size=258)
+    formula's parameters: split matrices and column biases halved, the rest whole (with one
+    kv head, wk and wv replicated whole)."""
+    args = model_args(family, vocab_size=258, **shape)
     model = apply_tensor_parallel(build_model(args), fake_tp_mesh, sequence_parallel=False)
     held = sum(local_shard(p).numel() for p in model.parameters())
     assert held == rank_params(args, Layout(dp=1, tp=2), 0)

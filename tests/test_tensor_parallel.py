@@ -24,9 +24,10 @@ from helpers import (
 )
 
 from llm.errors import ConfigError
+from llm.estimate.estimator import estimate
 from llm.models import model_args
 from llm.parallel.step import global_grad_norm
-from llm.validate import validate
+from llm.validate import model_args_for, validate
 
 STEPS = 4
 PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
@@ -126,6 +127,78 @@ def test_tp_collectives_are_megatrons(tp_on, model, sequence_parallel):
     assert summary["comm_bytes_per_step"] == [expected, expected]
 
 
+def test_replicated_kv_heads_match_single_process(tmp_path, reference, text_corpus, cache_dir):
+    """Multi-query llama-tiny (1 kv head, 4 query heads) at tp=2, sequence parallel: tp
+    cannot split one kv head, so wk and wv are replicated, each rank attends with its 2 query
+    heads to the one kv head and the kv weights' gradients are summed over tp. The
+    estimator's model states (the whole wk and wv on both ranks) equal what each rank holds."""
+    mqa = "model.n_kv_heads=1"
+    overrides = ("model=llama-tiny", mqa, "parallelism.sequence_parallel=true")
+    summary, out = tp_run(tmp_path, "tp_mqa", text_corpus, cache_dir, "llama-tiny", *overrides)
+    assert_matches(reference("llama-tiny", mqa), out)
+    cfg = compose_config(
+        [
+            *small_run_overrides(
+                tmp_path, text_corpus, cache_dir, *overrides, "parallelism.tp_size=2"
+            ),
+            "launcher.nproc_per_node=2",
+            "estimate.device=cpu",
+        ]
+    )
+    args = model_args_for(cfg, vocab_size=PADDED_VOCAB)
+    for rank, held in enumerate(summary["model_state_bytes"]):
+        cfg.estimate.rank = rank
+        predicted = estimate(cfg, args).device
+        assert {k: predicted[k] for k in held} == held, f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "ddp"])
+def test_replicated_kv_heads_under_data_parallel(
+    tmp_path, reference, text_corpus, cache_dir, strategy
+):
+    """dp=2 x tp=2, multi-query: the replicated wk/wv gradients (partial sums on tp) reach
+    FSDP2, our ZeRO and replicate summed over tp, then averaged over dp."""
+    mqa = "model.n_kv_heads=1"
+    summary, out = run(
+        tmp_path,
+        strategy,
+        text_corpus,
+        cache_dir,
+        "model=llama-tiny",
+        mqa,
+        f"parallelism={strategy}",
+        "launcher.nproc_per_node=4",
+        "parallelism.tp_size=2",
+        "train.micro_batch_size=4",
+        f"train.max_steps={STEPS}",
+    )
+    assert summary["tp_size"] == 2 and summary["dp_size"] == 2
+    assert_matches(reference("llama-tiny", mqa), out)
+
+
+@pytest.mark.slow
+def test_two_kv_heads_replicated_over_four_tp_ranks(tmp_path, text_corpus, cache_dir):
+    """llama-tiny's 2 kv heads at tp=4: ranks 0-1 keep kv head 0, ranks 2-3 kv head 1, one
+    query head each; the vocabulary is padded to 260, given to one process too."""
+    common = ("model=llama-tiny", "model.vocab_size=260", f"train.max_steps={STEPS}")
+    _, ref_out = run(
+        tmp_path, "single", text_corpus, cache_dir, *common, "train.micro_batch_size=8"
+    )
+    summary, out = run(
+        tmp_path,
+        "tp4",
+        text_corpus,
+        cache_dir,
+        *common,
+        "launcher.nproc_per_node=4",
+        "parallelism.tp_size=4",
+        "train.micro_batch_size=8",
+    )
+    assert summary["tp_size"] == 4
+    assert_matches(ref_out, out)
+
+
 def test_tp_checkpoint_resumes_in_one_process(tmp_path, reference, tp_on, text_corpus, cache_dir):
     """DCP writes the DTensor shards of the tp=2 (sequence parallel) run; one process reads
     them whole and steps 3-4 continue the uninterrupted run. The padded vocabulary (258) is
@@ -219,8 +292,14 @@ def test_tensor_parallel_bf16_tracks_one_process_in_bf16(tmp_path, text_corpus, 
     [
         (["model.n_heads=2", "parallelism.tp_size=4"], "model.n_heads=2 is not divisible"),
         (
-            ["model=llama-tiny", "parallelism.tp_size=4"],
-            "model.n_kv_heads=2 is not divisible by parallelism.tp_size=4",
+            [
+                "model=llama-tiny",
+                "model.d_model=96",
+                "model.n_heads=6",
+                "model.n_kv_heads=3",
+                "parallelism.tp_size=2",
+            ],
+            "model.n_kv_heads=3 and parallelism.tp_size=2: key/value heads are split when",
         ),
         (["model.d_ff=250", "parallelism.tp_size=4"], "model.d_ff=250 is not divisible"),
         (

@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llm.errors import ConfigError
-from llm.estimate.tp_terms import split_terms
+from llm.estimate.tp_terms import replicated_kv_terms, split_terms
 from llm.models import ModelArgs
+from llm.parallel.tensor_parallel import kv_replicated
 from llm.precision import PrecisionPolicy
 
 F32, I64, BOOL = 4, 8, 1
@@ -148,7 +149,25 @@ def layer_terms(
     terms = _block_terms(
         args, batch, seq, policy, k, backend, sdpa_kernel, device, recompute, training
     )
-    return split_terms(terms, tp, sequence_parallel, k.sp_saves_gathered_input)
+    split = split_terms(terms, tp, sequence_parallel, k.sp_saves_gathered_input)
+    if tp == 1 or not kv_replicated(args.n_kv_heads, tp):
+        return split
+    dt = Dtypes.of(policy)
+    kind = _kernel_kind(backend, sdpa_kernel, device, dt, training and args.dropout > 0, args)
+    # Flash-like kernels and selective recompute keep k and v per kv head; eager repeats
+    # them to the query heads, which tensor parallel splits as before.
+    kv_sized = recompute == "selective" or (recompute == "none" and kind in FLASH_LIKE)
+    kv_weights = 2 * args.d_model * args.n_kv_heads * args.head_dim * dt.c
+    return replicated_kv_terms(terms, split, tp, args.n_kv_heads, kv_sized, kv_weights)
+
+
+def _kernel_kind(
+    backend: str, sdpa_kernel: str, device: str, dt: Dtypes, drop: bool, args: ModelArgs
+) -> str:
+    """The attention kernel that runs: the backend, or the one sdpa picks."""
+    if backend == "sdpa":
+        return sdpa_kernel_used(sdpa_kernel, device, dt, drop, args.head_dim)
+    return backend
 
 
 def _block_terms(
@@ -168,9 +187,7 @@ def _block_terms(
     if recompute == "full":
         return {"block.input": b * s * h * dt.p}
     drop = training and args.dropout > 0
-    kind = backend
-    if backend == "sdpa":
-        kind = sdpa_kernel_used(sdpa_kernel, device, dt, drop, args.head_dim)
+    kind = _kernel_kind(backend, sdpa_kernel, device, dt, drop, args)
     if recompute.startswith("op_sac"):
         return _op_sac_terms(args, b, s, dt, kind, device, recompute.endswith("every_other_mm"))
     mask = k.dropout_mask_bytes or (BOOL if device == "cuda" else None)

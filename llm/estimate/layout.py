@@ -17,7 +17,7 @@ from llm.errors import ConfigError
 from llm.estimate.schedule_steps import bubble_share, peak_state
 from llm.models import ModelArgs
 from llm.parallel.pipeline import PipelineLayout
-from llm.parallel.tensor_parallel import padded_vocab
+from llm.parallel.tensor_parallel import kv_replicated, padded_vocab
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,16 @@ def rank_blocks(n_layers: int, layout: Layout, pp_rank: int) -> int:
 
 def block_params(args: ModelArgs, tp: int) -> int:
     """One block's parameters on one tp rank: the split matrices and the column-parallel
-    biases (q, k, v, fc) are 1/tp; norms and the row-parallel biases (wo, w2) are whole."""
+    biases (q, k, v, fc) are 1/tp; norms and the row-parallel biases (wo, w2) are whole, and
+    so are wk and wv where tensor parallel replicates the kv heads (fewer than tp)."""
     h, kv, f = args.d_model, args.n_kv_heads * args.head_dim, args.d_ff
     if args.family == "gpt2":
         split = 2 * h * h + 2 * h * kv + 2 * h * f + (h + 2 * kv + f)
         return split // tp + 2 * h + 4 * h  # wo, w2 biases; two LayerNorms (gain, bias)
-    return (2 * h * h + 2 * h * kv + 3 * h * f) // tp + 2 * h  # two RMSNorm gains
+    kv_weights = 2 * h * kv
+    if tp > 1 and kv_replicated(args.n_kv_heads, tp):
+        return (2 * h * h + 3 * h * f) // tp + kv_weights + 2 * h
+    return (2 * h * h + kv_weights + 3 * h * f) // tp + 2 * h  # two RMSNorm gains
 
 
 def rank_params(args: ModelArgs, layout: Layout, pp_rank: int) -> int:

@@ -2,8 +2,9 @@
 over dp, recompute, micro-batch size and count) for the global batch, priced by
 llm.estimate.layout_estimate; those that fit first, fastest first, then the rest by memory.
 
-Candidates: tp a divisor of gpus_per_node that the heads, kv heads, d_model and d_ff
-divide (tensor parallel stays on NVLink, as Megatron advises); pp a divisor of the rest
+Candidates: tp a divisor of gpus_per_node that the heads, d_model and d_ff divide and
+that divides the kv heads or is a multiple of them (replicated: llm.parallel.tensor_parallel)
+(tensor parallel stays on NVLink, as Megatron advises); pp a divisor of the rest
 with at least one block per stage; dp what remains, dividing the global batch; micro-
 batches of 1-8 sequences; a pipeline needs at least pp micro-batches and what its schedule
 needs of them (llm.config.pp_schedule_problem: the interleaved schedules run whole
@@ -42,8 +43,11 @@ def global_batch(cfg: Config, world: int) -> int:
 def layouts(cfg: Config, args: ModelArgs, cluster: Cluster, batch: int) -> Iterator[Layout]:
     par = cfg.parallelism
     for tp in _divisors(cluster.gpus_per_node):
-        sizes = (args.n_heads, args.n_kv_heads, args.d_model, args.d_ff)
-        if any(x % tp for x in sizes) or (par.sequence_parallel and cfg.data.seq_len % tp):
+        sizes = (args.n_heads, args.d_model, args.d_ff)
+        kv_heads_placed = args.n_kv_heads % tp == 0 or tp % args.n_kv_heads == 0
+        if any(x % tp for x in sizes) or not kv_heads_placed:
+            continue
+        if par.sequence_parallel and cfg.data.seq_len % tp:
             continue
         for pp in _divisors(cluster.world // tp):
             dp = cluster.world // (tp * pp)

@@ -9,7 +9,9 @@ their reduction) stays whole, except that sequence parallel shards the norms, th
 dropouts and the checkpointed block inputs along the sequence. Under sequence parallel
 DTensor's column-parallel linear saves its all-gathered input (b·s·h whole); Megatron
 saves the sequence shard and all-gathers it again in backward (Korthikanti et al. 2022,
-section 4.2.2): :class:`Kernels.sp_saves_gathered_input` says which.
+section 4.2.2): :class:`Kernels.sp_saves_gathered_input` says which. With fewer key/value
+heads than tp ranks, tensor parallel replicates wk and wv and each rank keeps one kv head
+(``replicated_kv_terms``).
 """
 
 from __future__ import annotations
@@ -61,3 +63,26 @@ def split_terms(
     if tp == 1:
         return terms
     return {name: n // tp_divisor(name, tp, sp, gathered_input_saved) for name, n in terms.items()}
+
+
+def replicated_kv_terms(
+    whole: dict[str, int],
+    split: dict[str, int],
+    tp: int,
+    n_kv_heads: int,
+    kv_sized_core: bool,
+    kv_weight_bytes: int,
+) -> dict[str, int]:
+    """``split`` (one rank's terms as if the kv heads were split) corrected for replicated
+    wk and wv (llm.parallel.tensor_parallel.ReplicatedKV): the attention core's k and v are
+    one kv head where the kernel keeps them per kv head (``kv_sized_core``), op_sac's kept
+    wk/wv outputs are the whole projections, and autocast's weight copies hold the whole
+    wk and wv (``kv_weight_bytes`` of them in the copies' dtype)."""
+    out = dict(split)
+    if kv_sized_core:
+        out |= {name: whole[name] // n_kv_heads for name in ("core.k", "core.v") if name in whole}
+    out |= {name: whole[name] for name in ("wk.output", "wv.output") if name in whole}
+    if "autocast.weight_copies" in whole:
+        rest = whole["autocast.weight_copies"] - kv_weight_bytes
+        out["autocast.weight_copies"] = rest // tp + kv_weight_bytes
+    return out

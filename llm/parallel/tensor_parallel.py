@@ -1,7 +1,10 @@
 """Tensor (and sequence) parallelism with torch's DTensor styles, Megatron's split:
 
 - attention: wq/wk/wv column-parallel (each rank computes n_heads/tp query heads and
-  n_kv_heads/tp key/value heads), wo row-parallel; MLP: w1 (and w3) column, w2 row. One
+  n_kv_heads/tp key/value heads), wo row-parallel; MLP: w1 (and w3) column, w2 row. With
+  fewer key/value heads than tp ranks (tp a multiple of n_kv_heads), wk and wv are
+  replicated instead and each rank keeps the one kv head its query heads share
+  (``ReplicatedKV``). One
   all-reduce of the (B, T, d) activations after each row-parallel layer in forward, one
   before each block's column-parallel layers in backward.
 - token embedding vocab-parallel (row-parallel nn.Embedding), LM head column-parallel with
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -34,6 +37,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from llm.errors import ConfigError
 from llm.models.args import ModelArgs
@@ -43,6 +47,8 @@ __all__ = [
     "align_grads",
     "apply_tensor_parallel",
     "check_tensor_parallel",
+    "kv_replicated",
+    "local_kv_heads",
     "local_loss",
     "local_tensor",
     "loss_parallel",
@@ -73,11 +79,12 @@ def check_tensor_parallel(args: ModelArgs, tp_size: int, seq_len: int, sp: bool)
                 f"model.{name}={value} is not divisible by parallelism.tp_size={tp_size}; "
                 f"pick a tp_size that divides it"
             )
-    if args.n_kv_heads % tp_size:
+    if args.n_kv_heads % tp_size and tp_size % args.n_kv_heads:
         raise ConfigError(
-            f"model.n_kv_heads={args.n_kv_heads} is not divisible by parallelism.tp_size="
-            f"{tp_size} (key/value heads are split, not replicated); use a tp_size dividing "
-            "n_kv_heads"
+            f"model.n_kv_heads={args.n_kv_heads} and parallelism.tp_size={tp_size}: key/value "
+            "heads are split when tp divides them and replicated when tp is a multiple of "
+            "them, and neither holds; pick a tp_size that divides n_kv_heads or is a "
+            "multiple of it"
         )
     if sp and seq_len % tp_size:
         raise ConfigError(
@@ -86,7 +93,50 @@ def check_tensor_parallel(args: ModelArgs, tp_size: int, seq_len: int, sp: bool)
         )
 
 
-def _block_plan(family: str, sp: bool) -> dict:
+def kv_replicated(n_kv_heads: int, tp_size: int) -> bool:
+    """Whether tensor parallel replicates the key/value heads (fewer of them than tp ranks,
+    tp a multiple of them: Megatron's and vLLM's rule) rather than splitting them."""
+    return n_kv_heads % tp_size != 0
+
+
+def local_kv_heads(n_kv_heads: int, tp_size: int) -> int:
+    """Key/value heads one tp rank computes attention with: its share, or the one kv head
+    its query heads share when they are replicated."""
+    return 1 if kv_replicated(n_kv_heads, tp_size) else n_kv_heads // tp_size
+
+
+class ReplicatedKV(ParallelStyle):
+    """wk or wv whole on every tp rank (a Replicate DTensor), its output cut to the one kv
+    head this rank's query heads use: rank r of tp keeps head r // (tp / n_kv_heads).
+
+    The cut is taken from a local tensor whose gradient is declared ``Partial``: each rank
+    back-propagates through its own head only, so the input's gradient joins the query
+    projection's partial sum (one all-reduce per block, as before) and the weight's gradient
+    is summed over tp like a sequence-parallel norm gain's (align_grads and the data-parallel
+    strategies redistribute it to Replicate). Costs against a split: the whole wk/wv on
+    every rank (2·d·n_kv·head_dim parameters, gradients and optimizer states per block, not
+    1/tp of them), all kv heads computed in forward, and that gradient all-reduce."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        head = tp_rank // (tp_size // n_kv_heads)
+        self.columns = slice(head * head_dim, (head + 1) * head_dim)
+
+    def _local_head(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local(grad_placements=(Partial(),))[..., self.columns]  # (B, T, D)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # No partition_fn: distribute_module replicates every parameter.
+        return distribute_module(module, device_mesh, output_fn=self._local_head)
+
+
+def _kv_style(args: ModelArgs, tp_rank: int, tp_size: int) -> ParallelStyle:
+    if kv_replicated(args.n_kv_heads, tp_size):
+        return ReplicatedKV(args.n_kv_heads, args.head_dim, tp_rank, tp_size)
+    return ColwiseParallel()
+
+
+def _block_plan(args: ModelArgs, sp: bool, tp_rank: int, tp_size: int) -> dict:
     """Styles for one Block's submodules. The attention and MLP inputs become one DTensor
     (PrepareModuleInput, use_local_output=False), so the gradients of wq, wk and wv (w1, w3)
     add up as partial sums before ONE all-reduce (reduce-scatter under SP) in backward."""
@@ -97,14 +147,14 @@ def _block_plan(family: str, sp: bool) -> dict:
             input_layouts=(inner, None, None), desired_input_layouts=(rep, None, None)
         ),
         "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
+        "attention.wk": _kv_style(args, tp_rank, tp_size),
+        "attention.wv": _kv_style(args, tp_rank, tp_size),
         "attention.wo": RowwiseParallel(output_layouts=inner),
         "feed_forward": PrepareModuleInput(input_layouts=(inner,), desired_input_layouts=(rep,)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=inner),
     }
-    if family == "llama":
+    if args.family == "llama":
         plan["feed_forward.w3"] = ColwiseParallel()
     if sp:
         plan["attention_norm"] = SequenceParallel()
@@ -143,11 +193,12 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     parallelize_module(model, mesh, _root_plan(model, sp))
     layers = model.layers
     blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    args, rank = model.args, mesh.get_local_rank()
     for block in blocks:
-        parallelize_module(block, mesh, _block_plan(model.args.family, sp))
+        parallelize_module(block, mesh, _block_plan(args, sp, rank, tp))
         block.attention.n_heads //= tp
-        block.attention.n_kv_heads //= tp
-    use_rank_streams(model, blocks, RankStream(mesh.get_local_rank(), tp, mesh.device_type), sp)
+        block.attention.n_kv_heads = local_kv_heads(args.n_kv_heads, tp)
+    use_rank_streams(model, blocks, RankStream(rank, tp, mesh.device_type), sp)
     model.tie_weights()  # the head's parameter was replaced: share the embedding's again
     return model
 
@@ -156,7 +207,7 @@ def _split_dims(style, module: nn.Module) -> dict[str, int]:
     """Which of ``module``'s parameters ``style`` shards, and on which dim (torch's rules:
     column-parallel shards a Linear's output features, weight and bias, and an Embedding's
     columns; row-parallel a Linear's input features, its bias replicated, and an
-    Embedding's rows). Other styles move activations only."""
+    Embedding's rows). Other styles (ReplicatedKV's whole weights included) split none."""
     embedding = isinstance(module, nn.Embedding)
     if isinstance(style, ColwiseParallel):
         return {"weight": 1} if embedding else {"weight": 0, "bias": 0}
@@ -175,9 +226,9 @@ def tp_local_shapes(model: nn.Module, tp_size: int, tp_rank: int) -> dict[nn.Par
         return shapes
     plan = _root_plan(model, sp=False)  # sequence parallel splits no other parameter
     # Blocks by their names: a pipeline part keys its blocks by their whole-model index.
+    block_plan = _block_plan(model.args, sp=False, tp_rank=tp_rank, tp_size=tp_size)
     for i, _ in model.layers.named_children():
-        family = model.args.family
-        plan |= {f"layers.{i}.{k}": v for k, v in _block_plan(family, sp=False).items()}
+        plan |= {f"layers.{i}.{k}": v for k, v in block_plan.items()}
     for fqn, style in plan.items():
         module = model.get_submodule(fqn)
         for name, dim in _split_dims(style, module).items():
