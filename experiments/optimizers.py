@@ -3,7 +3,7 @@ at the GPU scale): final validation loss at each one's best learning rate with i
 over seeds, tokens to reach AdamW's final training loss, optimizer-state bytes per
 parameter, step time, and loss curves at the best learning rates. Verdicts against
 docs/references.md: Lion (half Adam's state, a 3-10x smaller learning rate), Adafactor
-(O(n+m) state per matrix), Sophia (2x fewer steps than AdamW, on GPT-2 125M-770M) and
+(O(n+m) state per matrix), 8-bit AdamW (a quarter of AdamW's state), Sophia (2x fewer steps than AdamW, on GPT-2 125M-770M) and
 Kaddour et al., 2023 (no gain over a well-tuned AdamW)."""
 
 from __future__ import annotations
@@ -58,6 +58,16 @@ CLAIMS = {
             f"Shazeer & Stern, 2018, arXiv:1804.04235 ({REFS})",
             0.0,
             "optimizer-state bytes per parameter / AdamW's, expected below 0.1",
+        ),
+        Claim(
+            "adamw8bit_state",
+            "8-bit AdamW keeps both moments in 8 bits, a quarter of AdamW's 32-bit state",
+            "0.25x AdamW",
+            f"Dettmers et al., 2022, arXiv:2110.02861 ({REFS})",
+            0.10,
+            "optimizer-state bytes per parameter / AdamW's; tensors under min_8bit_size "
+            "(4096 elements: biases, norm gains) keep 32-bit moments, and each block of 256 "
+            "a 32-bit scale",
         ),
         Claim(
             "sophia_steps",
@@ -244,6 +254,16 @@ def report(jobs: list[Job]) -> list[Table]:
                 "adafactor",
                 state_ratio("adafactor"),
                 (0.0, 0.1),
+                not_comparable=no_adamw,
+            )
+        )
+    if "adamw8bit" in grid:
+        rows.append(
+            compare(
+                CLAIMS["adamw8bit_state"],
+                "adamw8bit",
+                state_ratio("adamw8bit"),
+                0.25,
                 not_comparable=no_adamw,
             )
         )

@@ -76,20 +76,32 @@ def test_every_experiment_composes(experiment):
     validate(compose_config([*BASE, f"experiment={experiment}"]))
 
 
-def test_parallel_layouts_sweep_every_layout():
-    sweep = OmegaConf.load(CONF / "experiment" / "parallel_layouts.yaml")
-    assert sorted(sweep.hydra.sweeper.params["layout"].split(",")) == LAYOUTS
+def _swept_layouts(experiment: str) -> list[str]:
+    sweep = OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml")
+    return sweep.hydra.sweeper.params["layout"].split(",")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_layout_of_four_ranks_is_accepted(layout):
-    """Each job of `python train.py -m experiment=parallel_layouts`, checked as train.py checks
-    it before ranks start; dp x tp x pp covers the 4 ranks."""
-    cfg = compose_config([*BASE, "experiment=parallel_layouts", f"layout={layout}"])
+LAYOUT_SWEEPS = ("parallel_layouts", "parallel_strategies")
+SWEPT_LAYOUTS = [(e, layout) for e in LAYOUT_SWEEPS for layout in _swept_layouts(e)]
+
+
+def test_layout_sweeps_use_every_layout():
+    """parallel_layouts sweeps every layout gpt2-tiny's 2 blocks allow; parallel_strategies
+    adds pp4 (4 blocks)."""
+    assert sorted({layout for _, layout in SWEPT_LAYOUTS}) == LAYOUTS
+    assert set(LAYOUTS) - set(_swept_layouts("parallel_layouts")) == {"pp4"}
+
+
+@pytest.mark.parametrize(("experiment", "layout"), SWEPT_LAYOUTS)
+def test_every_layout_of_four_ranks_is_accepted(experiment, layout):
+    """Each job of `python train.py -m experiment=parallel_layouts` (or parallel_strategies),
+    checked as train.py checks it before ranks start; dp x tp x pp covers the 4 ranks."""
+    cfg = compose_config([*BASE, f"experiment={experiment}", f"layout={layout}"])
     validate(cfg)
     p = cfg.parallelism
     assert p.dp_size * p.tp_size * p.pp_size == cfg.launcher.nproc_per_node == 4
-    assert p.name == layout.split("_")[0].replace("tp4", "single").replace("tp2", "single")
+    first = layout.split("_")[0]
+    assert p.name == ("single" if first in ("tp4", "tp2", "pp4") else first)
 
 
 @pytest.mark.parametrize(

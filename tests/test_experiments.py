@@ -336,13 +336,45 @@ def test_parallel_strategies_report_verdicts(tmp_path):
         ),
     )
     _job(sweep, 2, ["parallelism=fsdp"], cfg("fsdp"), error="error: killed")
+    # tp4: a quarter of DDP's states on every rank (75% saved, within 60-80%); its
+    # activation all-reduces move 0.5x DDP's bytes ("medium": below DDP).
+    tp = _zero_summary(PHI, PHI, 2 * PHI, {"tp.all_reduce": 2 * PHI})
+    tp["memory_peak"] *= 4
+    _job(
+        sweep,
+        3,
+        ["layout=tp4"],
+        {**cfg("single"), "parallelism": {"name": "single", "tp_size": 4}},
+        tp,
+    )
+    # pp4: stages differ; the first holds 0.5x DDP's states (50% saved, within 40-60%,
+    # though the smallest stage alone would say 75%), and its sends are 0.25x DDP's bytes.
+    pp = _zero_summary(2 * PHI, 2 * PHI, 4 * PHI, {"pp.send_activations": 2 * PHI})
+    pp["memory_peak"] = [pp["memory_peak"][0], {**pp["memory_peak"][0], "params": PHI // 2}]
+    pp["comm_bytes_per_step"] = [{}, {"pp.send_activations": 2 * PHI}]
+    _job(
+        sweep,
+        4,
+        ["layout=pp4"],
+        {**cfg("single"), "parallelism": {"name": "single", "pp_size": 4}},
+        pp,
+    )
     tables = experiment_module("parallel_strategies").report(load_jobs(sweep))
     memory = _rows(tables, "Memory saving against DDP")
     assert [r[-1] for r in memory[:2]] == [HOLDS, HOLDS]
     assert memory[1][2] == "0.65625"
     assert memory[2][-1].startswith(NOT_COMPARABLE)
+    assert [r[:3] for r in memory[3:]] == [
+        ("tp_saving", "tp, N=4", "0.75"),
+        ("pp_saving", "pp, N=4", "0.5"),
+    ]
+    assert [r[-1] for r in memory[3:]] == [HOLDS, HOLDS]
     comm = _rows(tables, "Communication against DDP")
     assert comm[0][2] == "1" and comm[0][-1] == DOES_NOT_HOLD  # "medium" yet DDP's volume
+    assert [(r[0], r[2], r[-1]) for r in comm[2:]] == [
+        ("tp_comm", "0.5", HOLDS),
+        ("pp_comm", "0.25", HOLDS),
+    ]
     assert all(r[-1].startswith(NOT_COMPARABLE) for r in _rows(tables, "Scaling efficiency"))
 
 
@@ -397,6 +429,7 @@ def test_optimizers_report_best_lr_and_verdicts(tmp_path):
         ("lion", 3e-4, 3.95, 4.0),
         ("lion", 1e-3, None, 4.0),
         ("adafactor", 1e-2, 3.85, 0.2),
+        ("adamw8bit", 3e-3, 3.92, 2.6),  # 0.325x AdamW's state: past 0.25 + 10%
     ]
     for num, (opt, lr, val, state) in enumerate(jobs):
         cfg = {"optimizer": {"name": opt, "lr": lr}}
@@ -431,6 +464,8 @@ def test_optimizers_report_best_lr_and_verdicts(tmp_path):
     assert claims[("lion_lr", "best lr on the grid")][2] == "10x"
     assert claims[("lion_lr", "best lr on the grid")][-1] == HOLDS
     assert claims[("adafactor_state", "adafactor")][-1] == HOLDS
+    assert claims[("adamw8bit_state", "adamw8bit")][2] == "0.325"
+    assert claims[("adamw8bit_state", "adamw8bit")][-1] == DOES_NOT_HOLD
     assert claims[("no_gain", "lion vs adamw")][-1] == HOLDS
     assert claims[("no_gain", "adafactor vs adamw")][-1] == DOES_NOT_HOLD  # 1.3% better
     grid = {r[0]: r[1:] for r in _rows(tables, "Final validation loss over the grid")}
