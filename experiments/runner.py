@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -92,10 +93,17 @@ def _reason(stderr: str, fallback: str) -> str:
     return lines[-1] if lines else fallback
 
 
+def _stop_signal(run_dir: Path) -> str | None:
+    """The signal that stopped the run in ``run_dir`` before its last step, if any."""
+    summary = run_dir / "summary.json"
+    return json.loads(summary.read_text()).get("stop_signal") if summary.exists() else None
+
+
 def run_sweep(config: str, overrides: list[str]) -> Path | None:
     """Run the sweep; returns its directory (None if Hydra stopped before making one).
     Raises SweepInterrupted when a job was interrupted."""
     train = _train_module()
+    register_configs()  # train.py registers them on import; a stand-in module does not
     state: dict = {}
 
     @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
@@ -105,7 +113,12 @@ def run_sweep(config: str, overrides: list[str]) -> Path | None:
         tee = _Tee(sys.stderr)
         try:
             with contextlib.redirect_stderr(tee):
-                return train.main(cfg)  # Hydra's decorator passes a given cfg straight on
+                result = train.main(cfg)  # Hydra's decorator passes a given cfg straight on
+            if _stop_signal(Path(cfg.output_dir)):
+                # SIGTERM (Slurm's preemption): the job checkpointed and exited 0, and the
+                # sweep stops with it, as after Ctrl-C.
+                raise SystemExit(Interrupted.exit_code)
+            return result
         except SystemExit as exc:
             if exc.code in (0, None):
                 return None

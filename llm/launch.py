@@ -182,13 +182,12 @@ def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | N
     port = cfg.launcher.master_port or free_port()
     errors = Path(cfg.output_dir) / ERRORS_DIR
     shutil.rmtree(errors, ignore_errors=True)  # left by an earlier failed run in this dir
-    contexts, interrupted = [], []
+    contexts, received = [], []
 
     def stop_ranks(signum, frame) -> None:
         # Slurm signals the launcher (SIGTERM), Ctrl-C the whole process group (SIGINT):
         # ranks hear SIGTERM either way, checkpoint and stop; we wait for them.
-        if signum == signal.SIGINT:
-            interrupted.append(signum)
+        received.append(signum)
         for context in contexts:
             _forward(context, signal.SIGTERM)
 
@@ -203,17 +202,20 @@ def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | N
             start_method="spawn",
         )
         contexts.append(context)
+        if received:  # it came while the ranks were being started: pass it on now
+            _forward(context, signal.SIGTERM)
         while not context.join():
             pass
     except mp.ProcessExitedException as exc:
         failure = rank_failure(errors, exc.error_index, exc.exit_code, exc.signal_name)
+        interrupted = signal.SIGINT in received
         if interrupted:
             raise Interrupted(f"{_interrupted(cfg)}; while stopping, {failure}") from None
         raise TrainingError(failure) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if interrupted:
+    if signal.SIGINT in received:
         raise Interrupted(_interrupted(cfg))
     return _read_summary(cfg)
 

@@ -513,6 +513,24 @@ def test_an_interrupted_job_stops_the_sweep(tmp_path, monkeypatch):
     assert not (sweep_dir / "0" / ERROR_FILE).exists()
 
 
+def test_a_job_stopped_by_sigterm_stops_the_sweep(tmp_path, monkeypatch):
+    """SIGTERM (Slurm's preemption) stops train.py with a checkpoint and exit 0; its
+    summary names the signal, and no later job runs (they would be killed in turn)."""
+    calls = []
+
+    def stopped(cfg):
+        calls.append(cfg.precision.name)
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps({"stop_signal": "SIGTERM"}))
+
+    monkeypatch.setattr(runner, "_train_module", lambda: types.SimpleNamespace(main=stopped))
+    sweep_dir = tmp_path / "sweep"
+    with pytest.raises(runner.SweepInterrupted):
+        run_sweep("mixed_precision", ["logger=none", f"hydra.sweep.dir={sweep_dir}"])
+    assert calls == ["fp32"]
+
+
 # ---- the Optuna learning-rate search ----------------------------------------------------
 def test_lr_search_uses_optunas_sweeper_over_a_log_interval_holding_every_default_lr():
     from hydra import compose, initialize_config_dir

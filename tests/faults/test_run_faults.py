@@ -130,6 +130,30 @@ def test_ctrl_c_waits_for_the_ranks_checkpoint(tmp_path):
     assert str(tmp_path / "checkpoints/step_000003") in one_line(err)
 
 
+def test_sigterm_while_ranks_start_reaches_them(tmp_path, monkeypatch):
+    """A SIGTERM that lands while the ranks are being spawned (Slurm preempting a job that
+    has just begun) is passed on once they exist, instead of being lost while the ranks
+    train on: here they are still starting, so they end at once and the launcher says so
+    (error: rank N was killed by SIGTERM ...)."""
+    import rank_stubs
+    import torch.multiprocessing as mp
+
+    from llm.launch import _spawn
+
+    start = mp.start_processes
+
+    def start_after_a_sigterm(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # our handler is installed: it only records
+        return start(*args, **kwargs)
+
+    monkeypatch.setattr(mp, "start_processes", start_after_a_sigterm)
+    began = time.monotonic()
+    with pytest.raises(TrainingError) as err:
+        _spawn(stub_config(tmp_path), 2, rank_stubs.checkpoints_on_sigterm)
+    assert "killed by SIGTERM" in one_line(err)
+    assert time.monotonic() - began < 60  # the stub alone would wait 120 s for a signal
+
+
 def test_ctrl_c_on_one_rank_ends_the_same_way(tmp_path, text_corpus, cache_dir, monkeypatch):
     """stopped: interrupted (Ctrl-C) before any checkpoint was written; nothing to resume"""
     from llm import run
