@@ -1,6 +1,6 @@
 """experiments/: every experiment config composes, and jobs holding every value of every
-sweep axis compose and validate (a dry run of its sweep); one real sweep of a one-step job
-beside a refused one; the reports of fixture sweep directories (summary.json and
+sweep axis compose and validate (a dry run of its sweep); each small sweep's first job runs
+one real step and reports; one real sweep of a one-step job beside a refused one; the reports of fixture sweep directories (summary.json and
 metrics.jsonl written here) give the expected tables and verdicts, failed jobs included."""
 
 from __future__ import annotations
