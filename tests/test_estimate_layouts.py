@@ -176,6 +176,17 @@ def _plan(model: str, nodes: int, batch: int, *extra: str):
     return plan(cfg, model_args_for(cfg))
 
 
+def test_plan_replicates_kv_heads_beyond_their_count():
+    """llama-tiny's 2 kv heads (4 query heads) on an 8-GPU node: tp=4 replicates them and is
+    planned, where before only a tp dividing 2 was; 3 kv heads (6 query heads) allow no
+    tp=2, which divides the heads, d_model and d_ff but neither divides nor is a multiple
+    of 3."""
+    rows = _plan("llama-tiny", 1, 8, "data.seq_len=64")
+    assert {r.layout.tp for r in rows} == {1, 2, 4}
+    odd = ("model.n_heads=6", "model.n_kv_heads=3", "model.d_model=96", "model.d_ff=192")
+    assert {r.layout.tp for r in _plan("llama-tiny", 1, 8, "data.seq_len=64", *odd)} == {1}
+
+
 def _published(rows, dp, tp, pp, **fields):
     return [
         r

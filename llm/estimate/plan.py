@@ -23,6 +23,7 @@ from llm.estimate.estimator import estimate_policy
 from llm.estimate.layout import Layout
 from llm.estimate.layout_estimate import LayoutEstimate, Workload, estimate_layout
 from llm.models import ModelArgs
+from llm.parallel.tensor_parallel import kv_heads_placeable
 
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTES = ("none", "selective", "full")
@@ -44,8 +45,7 @@ def layouts(cfg: Config, args: ModelArgs, cluster: Cluster, batch: int) -> Itera
     par = cfg.parallelism
     for tp in _divisors(cluster.gpus_per_node):
         sizes = (args.n_heads, args.d_model, args.d_ff)
-        kv_heads_placed = args.n_kv_heads % tp == 0 or tp % args.n_kv_heads == 0
-        if any(x % tp for x in sizes) or not kv_heads_placed:
+        if any(x % tp for x in sizes) or not kv_heads_placeable(args.n_kv_heads, tp):
             continue
         if par.sequence_parallel and cfg.data.seq_len % tp:
             continue

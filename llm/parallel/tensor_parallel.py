@@ -47,6 +47,7 @@ __all__ = [
     "align_grads",
     "apply_tensor_parallel",
     "check_tensor_parallel",
+    "kv_heads_placeable",
     "kv_replicated",
     "local_kv_heads",
     "local_loss",
@@ -79,7 +80,7 @@ def check_tensor_parallel(args: ModelArgs, tp_size: int, seq_len: int, sp: bool)
                 f"model.{name}={value} is not divisible by parallelism.tp_size={tp_size}; "
                 f"pick a tp_size that divides it"
             )
-    if args.n_kv_heads % tp_size and tp_size % args.n_kv_heads:
+    if not kv_heads_placeable(args.n_kv_heads, tp_size):
         raise ConfigError(
             f"model.n_kv_heads={args.n_kv_heads} and parallelism.tp_size={tp_size}: key/value "
             "heads are split when tp divides them and replicated when tp is a multiple of "
@@ -93,9 +94,15 @@ def check_tensor_parallel(args: ModelArgs, tp_size: int, seq_len: int, sp: bool)
         )
 
 
+def kv_heads_placeable(n_kv_heads: int, tp_size: int) -> bool:
+    """Whether tensor parallel can place the key/value heads: split (tp divides them) or
+    replicated (tp a multiple of them: Megatron's and vLLM's rule)."""
+    return n_kv_heads % tp_size == 0 or tp_size % n_kv_heads == 0
+
+
 def kv_replicated(n_kv_heads: int, tp_size: int) -> bool:
-    """Whether tensor parallel replicates the key/value heads (fewer of them than tp ranks,
-    tp a multiple of them: Megatron's and vLLM's rule) rather than splitting them."""
+    """Whether tensor parallel replicates the key/value heads rather than splitting them
+    (for placeable heads: fewer of them than tp ranks)."""
     return n_kv_heads % tp_size != 0
 
 
