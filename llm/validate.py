@@ -113,6 +113,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             )
     p = cfg.parallelism
     check_tensor_parallel(args, tp, cfg.data.seq_len, p.sequence_parallel)
+    if tp > 1 and cfg.train.compile:
+        # Tried on torch 2.13 (CPU): the whole model fails in Inductor ("Mixing fake modes"
+        # at the vocab-parallel embedding), blocks compiled one by one fail in backward
+        # (a redistribute handed a plain tensor). Refused before any work, not mid-run.
+        raise ConfigError(
+            f"train.compile=true with parallelism.tp_size={tp}: torch's compiler fails on the "
+            "tensor-parallel (DTensor) model here; set train.compile=false"
+        )
     if tp > 1 and kv_replicated(args.n_kv_heads, tp):
         _announce_replicated_kv(args, tp)
     _validate_pipeline(cfg, args)

@@ -315,6 +315,7 @@ def test_tensor_parallel_bf16_tracks_one_process_in_bf16(tmp_path, text_corpus, 
         (["parallelism.tp_size=2", "optimizer=muon"], "optimizer=muon with parallelism.tp_size=2"),
         (["parallelism.tp_size=2", "optimizer=lamb"], "optimizer=lamb with parallelism.tp_size=2"),
         (["parallelism.tp_size=2", "optimizer=sophia"], "extra gradient pass samples"),
+        (["parallelism.tp_size=2", "train.compile=true"], "train.compile=true with parallelism"),
     ],
 )
 def test_impossible_tensor_parallel_setups_are_refused(tmp_path, overrides, message):
