@@ -221,10 +221,17 @@ def test_multi_stage_schedules_match_single_process(
 ):
     """4 blocks as 4 stages, 2 per rank (looped: rank 0 runs stages 0 and 2; V-shaped: 0
     and 3, so its embedding and head stay one tied parameter), 4 micro-batches. The
-    estimate per stage, from torch's order of each rank's actions, equals the run's."""
+    estimate per stage, from torch's order of each rank's actions, equals the run's.
+
+    Losses and clipping norms hold 1e-5; weights 1e-4 absolute, not 1e-5: the pipeline sums
+    4 micro-batches' weight gradients where one process multiplies the whole batch, and
+    AdamW's division by sqrt(v) enlarges that last-bit difference where an element's
+    gradient nearly cancels. Measured: under every one of these schedules the same one of
+    the 16,384 elements of the last block's w2 is off by 2.2e-5 after 4 steps at lr <= 2e-3
+    (the median element by 1.6e-9), so it is the micro-batch split, not the schedule."""
     extra = ("model.n_layers=4", "parallelism.pp_virtual_stages=2", "parallelism.pp_microbatches=4")
     summary, out = pp_run(tmp_path, text_corpus, cache_dir, "gpt2-tiny", schedule, *extra)
-    assert_run_matches(reference("gpt2-tiny", extra[0]), out, STEPS)
+    assert_run_matches(reference("gpt2-tiny", extra[0]), out, STEPS, weight_atol=1e-4)
     assert_stage_estimates(summary, *pp_overrides("gpt2-tiny", schedule, *extra))
 
 
