@@ -208,8 +208,7 @@ def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | N
             pass
     except mp.ProcessExitedException as exc:
         failure = rank_failure(errors, exc.error_index, exc.exit_code, exc.signal_name)
-        interrupted = signal.SIGINT in received
-        if interrupted:
+        if signal.SIGINT in received:
             raise Interrupted(f"{_interrupted(cfg)}; while stopping, {failure}") from None
         raise TrainingError(failure) from None
     finally:

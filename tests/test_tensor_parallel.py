@@ -133,13 +133,18 @@ def test_replicated_kv_heads_match_single_process(tmp_path, reference, text_corp
     heads to the one kv head and the kv weights' gradients are summed over tp. The
     estimator's model states (the whole wk and wv on both ranks) equal what each rank holds."""
     mqa = "model.n_kv_heads=1"
-    overrides = ("model=llama-tiny", mqa, "parallelism.sequence_parallel=true")
-    summary, out = tp_run(tmp_path, "tp_mqa", text_corpus, cache_dir, "llama-tiny", *overrides)
+    shape = (mqa, "parallelism.sequence_parallel=true")
+    summary, out = tp_run(tmp_path, "tp_mqa", text_corpus, cache_dir, "llama-tiny", *shape)
     assert_matches(reference("llama-tiny", mqa), out)
     cfg = compose_config(
         [
             *small_run_overrides(
-                tmp_path, text_corpus, cache_dir, *overrides, "parallelism.tp_size=2"
+                tmp_path,
+                text_corpus,
+                cache_dir,
+                "model=llama-tiny",
+                *shape,
+                "parallelism.tp_size=2",
             ),
             "launcher.nproc_per_node=2",
             "estimate.device=cpu",
