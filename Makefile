@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-slow test-gpu lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline experiments clean
+.PHONY: help venv train test test-slow test-gpu gpu-pass gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline experiments clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -36,6 +36,19 @@ test-slow: $(STAMP) ## the slow tests (longer runs, bigger shapes)
 
 test-gpu: $(STAMP) ## the CUDA tests (needs a GPU)
 	$(PY) -m pytest -m gpu $(ARGS)
+
+# The GPU pass: PART=1|2 (default both), OUT=folder, DRY=1 for the CPU code-path check.
+# GPU_PY=python3 runs it with an environment of your own (a sealed GPU image) instead of .venv.
+GPU_PY ?= $(PY)
+OUT ?= outputs/gpu_pass
+gpu-pass: $(if $(filter $(PY),$(GPU_PY)),$(STAMP)) ## every GPU figure: PART=1|2 OUT=DIR (DRY=1: on CPU, tiny)
+	$(GPU_PY) -m benchmarks.gpu_pass --part $(or $(PART),all) --out $(OUT) $(if $(DRY),--dry)
+
+gpu-publish: $(STAMP) ## the GPU pass's tables into docs/ in place of "pending": OUT="DIR [DIR ...]"
+	$(PY) -m benchmarks.gpu_pass.publish --out $(OUT)
+
+gpu-wheels: $(STAMP) ## .whl/: the wheels the GPU pass needs that a sealed GPU image lacks (requirements-gpu.txt)
+	$(PY) -m benchmarks.gpu_pass.wheels
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check .

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils import benchmark
 
 from llm.config import OptimizerConfig
+from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors, storage_bytes
 from llm.models import build_model, materialize, model_args
 from llm.optim import OPTIMIZERS, build_optimizer, param_groups
@@ -92,31 +93,27 @@ def _muon_skip_reason(d: int, device) -> str | None:
 
 
 def _timed(fn: Callable[[], None], device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    """Seconds of one call; torch.utils.benchmark synchronises CUDA before and after it."""
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).timeit(1).median
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--model", default=None, help="gpt2-small on CPU, gpt2-medium on GPU")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", default=None, help="comma-separated rows (default: all)")
-    a = parser.parse_args()
-    device = torch.device(a.device)
-    name = a.model or ("gpt2-medium" if device.type == "cuda" else "gpt2-small")
+def _unavailable(row: str, model, device) -> str | None:
+    """Why ``row`` cannot run here (a package missing), or None."""
+    try:
+        _optimizer(row, model, device)
+    except (ImportError, ConfigError) as e:
+        return f"not run: {str(e).splitlines()[0]}"
+    return None
+
+
+def measure(device: torch.device, name: str, batch: int, seq: int, rounds: int, rows=None):
+    """Each row's median step-alone and training-step seconds and state bytes per parameter:
+    (rows measured, {row: why it was not run}, parameter count)."""
     args = model_args(name)
     model = materialize(build_model(args), device, seed=0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    x = torch.randint(0, args.vocab_size, (a.batch, a.seq), device=device)
-    y = torch.randint(0, args.vocab_size, (a.batch, a.seq), device=device)
+    x = torch.randint(0, args.vocab_size, (batch, seq), device=device)
+    y = torch.randint(0, args.vocab_size, (batch, seq), device=device)
     grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
     n_params = sum(p.numel() for p in model.parameters())
     initial = [p.detach().clone() for p in model.parameters()]
@@ -140,15 +137,18 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    rows = _rows(device) if a.rows is None else a.rows.split(",")
+    asked, rows = rows, _rows(device) if rows is None else list(rows)
     skipped = {}
-    if a.rows is None and (reason := _muon_skip_reason(args.d_model, device)) is not None:
+    if asked is None and (reason := _muon_skip_reason(args.d_model, device)) is not None:
         skipped["muon"] = reason
-        rows.remove("muon")
+    for row in rows:
+        if row not in skipped and (reason := _unavailable(row, model, device)) is not None:
+            skipped[row] = reason
+    rows = [r for r in rows if r not in skipped]
     step_s: dict[str, list[float]] = {r: [] for r in rows}
     train_s: dict[str, list[float]] = {r: [] for r in rows}
     state: dict[str, float] = {}
-    for round_ in range(1, a.rounds + 1):
+    for round_ in range(1, rounds + 1):
         for row in rows:
             reset()
             opt = _optimizer(row, model, device)
@@ -168,21 +168,46 @@ def main() -> None:
             del opt
             # Progress on stderr (the table comes at the end): a CPU round takes minutes.
             print(
-                f"round {round_}/{a.rounds} {row}: step alone {1e3 * step_s[row][-1]:.0f} ms, "
+                f"round {round_}/{rounds} {row}: step alone {1e3 * step_s[row][-1]:.0f} ms, "
                 f"training step {1e3 * train_s[row][-1]:.0f} ms",
                 file=sys.stderr,
                 flush=True,
             )
+    measured = [
+        {
+            "optimizer": row,
+            "step_ms": 1e3 * statistics.median(step_s[row]),
+            "train_step_ms": 1e3 * statistics.median(train_s[row]),
+            "state_bytes_per_param": state[row],
+        }
+        for row in rows
+    ]
+    return measured, skipped, n_params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=None, help="gpt2-small on CPU, gpt2-medium on GPU")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default=None, help="comma-separated rows (default: all)")
+    a = parser.parse_args()
+    device = torch.device(a.device)
+    name = a.model or ("gpt2-medium" if device.type == "cuda" else "gpt2-small")
+    rows = None if a.rows is None else a.rows.split(",")
+    measured, skipped, n_params = measure(device, name, a.batch, a.seq, a.rounds, rows)
     print(
         f"{name} ({n_params / 1e6:.1f}M parameters), batch {a.batch} x {a.seq}, {device}, "
         f"median of {a.rounds} rounds"
     )
     print("| optimizer | step alone (ms) | training step (ms) | state bytes / param |")
     print("|---|---:|---:|---:|")
-    for row in rows:
+    for r in measured:
         print(
-            f"| {row} | {1e3 * statistics.median(step_s[row]):.0f} | "
-            f"{1e3 * statistics.median(train_s[row]):.0f} | {state[row]:.2f} |"
+            f"| {r['optimizer']} | {r['step_ms']:.0f} | {r['train_step_ms']:.0f} | "
+            f"{r['state_bytes_per_param']:.2f} |"
         )
     for row, reason in skipped.items():
         print(f"| {row} | {reason} | | |")

@@ -28,12 +28,12 @@ import gc
 import json
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_device import bench_device
@@ -149,16 +149,12 @@ def count(s: Setup) -> tuple[float | None, int]:
 
 
 def time_steps(s: Setup, warmup: int, steps: int) -> list[float]:
+    """Milliseconds of each of ``steps`` steps after ``warmup``: one step per timing, which
+    torch.utils.benchmark synchronises (CUDA) before and after."""
     for _ in range(warmup):
         s.step()
-    s.sync()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        s.step()
-        s.sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+    timer = benchmark.Timer(stmt="step()", globals={"step": s.step})
+    return [timer.timeit(1).median * 1e3 for _ in range(steps)]
 
 
 def peak(s: Setup, compiled: bool) -> tuple[int | None, str | None]:

@@ -16,7 +16,6 @@ import argparse
 import multiprocessing as mp
 import resource
 import statistics
-import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -24,6 +23,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from bench_device import bench_device
+from torch.utils import benchmark
 
 from llm.models import MODEL_SHAPES, ModelArgs, build_model, materialize, model_args
 from llm.models.hf_config import hf_config
@@ -57,11 +57,6 @@ def _build(row: Row) -> torch.nn.Module:
     return model.to(row.device)
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_row(row: Row) -> dict:
     """Build, warm up and time one configuration; runs in its own process."""
     if row.threads:
@@ -89,13 +84,9 @@ def run_row(row: Row) -> dict:
 
     for _ in range(row.warmup):
         step()
-    _sync(row.device)
-    times = []
-    for _ in range(row.steps):
-        start = time.perf_counter()
-        step()
-        _sync(row.device)
-        times.append(time.perf_counter() - start)
+    # One step per timing: torch.utils.benchmark synchronises CUDA before and after it.
+    timer = benchmark.Timer(stmt="step()", globals={"step": step})
+    times = [timer.timeit(1).median for _ in range(row.steps)]
     if row.device == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:  # ru_maxrss is KiB on Linux; the process is fresh, so its peak is this row's

@@ -70,7 +70,7 @@ SDPA_KERNELS = ("auto", "flash", "efficient", "cudnn", "math")
 
 @dataclass
 class AttentionConfig:
-    backend: str = "sdpa"  # eager | sdpa | flash_attn | flex | triton (llm.attention.BACKENDS)
+    backend: str = "sdpa"  # eager | sdpa | flash_attn | flex | triton | xformers (BACKENDS)
     # sdpa only: torch picks (auto) or this kernel alone; one that cannot run is refused.
     sdpa_kernel: str = "auto"  # auto | flash | efficient | cudnn | math
     # Packed documents (data.packing=true) attend only inside themselves, causal inside.

@@ -50,7 +50,7 @@ def test_causal_ignores_the_future():
 def test_unknown_backend_names_the_choices():
     with pytest.raises(
         ConfigError,
-        match=r"attention.backend='x' is unknown; choose one of eager, sdpa, flash_attn, flex, triton",
+        match=r"attention.backend='x' is unknown; choose one of eager, sdpa, flash_attn, flex, triton, xformers",
     ):
         get_kernel("x")
     q, k, v = _qkv(2, 2)

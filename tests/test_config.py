@@ -21,7 +21,12 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 LAYOUTS = sorted(p.stem for p in (CONF / "layout").glob("*.yaml"))
 BASE = ["output_dir=/tmp/unused"]
 # Attention backends that cannot train on CPU, and what their refusal says there.
-GPU_ATTENTION = {"flash_attn": "flash-attn package", "flex": "no backward", "triton": "triton"}
+GPU_ATTENTION = {
+    "flash_attn": "flash-attn package",
+    "flex": "no backward",
+    "triton": "triton",
+    "xformers": "xformers package",
+}
 
 
 def test_every_group_has_options():

@@ -23,6 +23,7 @@ from llm.run import build_model_for
 from llm.validate import validate
 from tests.flash_attn_stand_in import stand_in
 from tests.helpers import compose_config, run, small_run_overrides, train_losses
+from tests.xformers_stand_in import install as install_xformers
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 LENGTHS = (5, 9, 2, 8)  # one row of 24 tokens: four documents
@@ -86,6 +87,7 @@ CPU_BACKENDS = [
     ("sdpa", "math"),
     ("sdpa", "flash"),
     ("flash_attn", "auto"),  # the adapter, on the stand-in package
+    ("xformers", "auto"),  # the same
     ("flex", "auto"),  # evaluation only on CPU, uncompiled (test_attention_backends.py)
 ]
 
@@ -93,6 +95,7 @@ CPU_BACKENDS = [
 @pytest.mark.parametrize(("backend", "kernel"), CPU_BACKENDS, ids=lambda x: x)
 def test_every_cpu_backend_gives_eagers_loss_with_the_mask(monkeypatch, backend, kernel):
     monkeypatch.setitem(sys.modules, "flash_attn", stand_in([]))
+    install_xformers(monkeypatch)
     monkeypatch.setattr(flex_module, "compiled_flex", lambda: flex_attention)
     ids = torch.randint(0, 4096, (2, 25), generator=torch.Generator().manual_seed(1))
     doc_ids = torch.cat([_doc_ids((6, 10, 9)), _doc_ids((25,))])
@@ -121,6 +124,7 @@ def test_every_cpu_backend_gives_eagers_loss_with_the_mask(monkeypatch, backend,
         (["attention=eager", "attention.sdpa_kernel=math"], "applies to attention=sdpa only"),
         (["attention=flex"], "attention=flex on cpu has no backward"),
         (["attention=flash_attn"], "needs the flash-attn package"),
+        (["attention=xformers"], "needs the xformers package"),
         (
             ["attention=sdpa", "attention.sdpa_kernel=cudnn"],
             "sdpa_kernel=cudnn does not run on cpu",

@@ -23,6 +23,7 @@ from llm.models import build_model, model_args
 from llm.models.weights import InitSource, materialize_from
 from llm.parallel.tensor_parallel import apply_tensor_parallel
 from tests.flash_attn_stand_in import stand_in
+from tests.xformers_stand_in import install as install_xformers
 
 CPU = torch.device("cpu")
 B, T = 2, 16
@@ -40,7 +41,7 @@ def _wo_input(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.to_local() if hasattr(out, "to_local") else out
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash_attn", "flex"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash_attn", "flex", "xformers"])
 @pytest.mark.parametrize(
     ("family", "shape"),
     [("gpt2-tiny", {}), ("llama-tiny", {}), ("llama-tiny", {"n_kv_heads": 1})],
@@ -49,8 +50,9 @@ def _wo_input(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def test_backend_on_local_heads_equals_the_unsplit_heads(
     fake_tp_mesh, monkeypatch, backend, family, shape
 ):
-    # flash-attn's stand-in computes with eager; flex runs uncompiled (its CPU forward).
+    # The packages' stand-ins (flash-attn, xformers) compute with eager; flex runs uncompiled.
     monkeypatch.setitem(sys.modules, "flash_attn", stand_in([]))
+    install_xformers(monkeypatch)
     monkeypatch.setattr(flex_module, "compiled_flex", lambda: flex_attention)
     args = model_args(family, vocab_size=258, dropout=0.0, **shape)
     whole = materialize_from(build_model(args, backend), InitSource(args, 0), CPU).eval()

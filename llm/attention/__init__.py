@@ -4,7 +4,8 @@ Every backend takes q (B, H, T, D) and k, v (B, Hkv, T, D) with H % Hkv == 0 and
 (B, H, T, D); grouped-query and multi-query attention are handled inside, so models never
 repeat K/V themselves. Backends: eager (the reference), sdpa (torch's fused kernels, one
 chosen by ``attention.sdpa_kernel``), flash_attn (the package), flex (FlexAttention,
-compiled) and triton (our FlashAttention-2 kernel). Each declares what it supports
+compiled), triton (our FlashAttention-2 kernel) and xformers (xFormers'
+memory_efficient_attention, the package). Each declares what it supports
 (:mod:`llm.attention.support`); :func:`check_kernel` refuses the rest in one line.
 """
 

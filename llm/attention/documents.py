@@ -9,6 +9,7 @@ shared by every layer:
 - eager, sdpa: a dense (B, 1, T, T) boolean mask (True: may attend);
 - flex: a BlockMask, whose fully masked blocks the kernel skips;
 - flash_attn: the batch flattened to (B*T) tokens cut into documents by ``cu_seqlens``;
+- xformers: the same flattened batch cut by a BlockDiagonal(Causal)Mask of the lengths;
 - triton: the ids themselves.
 """
 
@@ -25,6 +26,7 @@ class Documents:
         self.ids = doc_ids  # (B, T) int, non-decreasing along T
         self._dense: dict[bool, Tensor] = {}
         self._block: dict[bool, object] = {}
+        self._xformers: dict[bool, object] = {}
 
     def dense_mask(self, causal: bool) -> Tensor:
         """(B, 1, T, T) bool: query t may attend key s (same document, and s <= t if causal)."""
@@ -51,6 +53,18 @@ class Documents:
             b, t = ids.shape
             self._block[causal] = create_block_mask(same_document, b, None, t, t, device=ids.device)
         return self._block[causal]
+
+    def xformers_mask(self, causal: bool):
+        """xFormers' BlockDiagonalMask (BlockDiagonalCausalMask if causal) of the batch
+        flattened to one row of B*T tokens: a block per document. Its lengths are read to
+        the host once per forward (``from_seqlens`` takes a list)."""
+        if causal not in self._xformers:
+            from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask, BlockDiagonalMask
+
+            cls = BlockDiagonalCausalMask if causal else BlockDiagonalMask
+            lengths = self.varlen[0].diff().tolist()
+            self._xformers[causal] = cls.from_seqlens(lengths, device=self.ids.device)
+        return self._xformers[causal]
 
     @cached_property
     def varlen(self) -> tuple[Tensor, int]:

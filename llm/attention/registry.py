@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from llm.attention import eager, flash_attn_backend, flex, sdpa, triton_backend
+from llm.attention import eager, flash_attn_backend, flex, sdpa, triton_backend, xformers_backend
 from llm.attention.documents import Documents
 from llm.attention.support import Supports, check_support
 from llm.errors import ConfigError
@@ -55,6 +55,13 @@ BACKENDS: dict[str, dict[str, AttentionKernel]] = {
     "triton": {
         "auto": AttentionKernel(
             triton_backend.triton, triton_backend.support, triton_backend.unavailable
+        )
+    },
+    "xformers": {
+        "auto": AttentionKernel(
+            xformers_backend.xformers,
+            _fixed(xformers_backend.SUPPORT),
+            xformers_backend.unavailable,
         )
     },
 }

@@ -97,7 +97,7 @@ def check_support(
     if document_mask and not s.document_mask:
         raise ConfigError(
             f"{name} on {device} cannot mask documents; set attention.document_mask=false or "
-            "use attention=eager, sdpa, flex, flash_attn or triton where they run"
+            "use attention=eager, sdpa, flex, flash_attn, xformers or triton where they run"
         )
     if training and not s.backward:
         raise ConfigError(

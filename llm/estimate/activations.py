@@ -26,7 +26,10 @@ F32, I64, BOOL = 4, 8, 1
 # Recompute policies this formula knows; ``every`` applies to full. budget and offload are
 # priced by :func:`estimate_activations` from the ``none`` terms (see there).
 RECOMPUTE = ("none", "full", "selective", "op_sac", "op_sac_every_other_mm")
-FLASH_LIKE = ("flash", "efficient", "cudnn", "flash_attn", "flex", "triton")
+FLASH_LIKE = ("flash", "efficient", "cudnn", "flash_attn", "flex", "triton", "xformers")
+# Flash-like kernels handed K and V repeated to the query heads, so the copies are saved
+# (xFormers' backward takes no grouped heads: llm/attention/xformers_backend.py).
+REPEATS_KV = ("xformers",)
 # Outside-the-blocks terms of a pipeline's first stage (the lookups); the last holds the rest.
 FIRST_STAGE_TERMS = {"embed.ids", "pos_embed.ids", "embed.dropout_mask"}
 
@@ -154,9 +157,11 @@ def layer_terms(
         return split
     dt = Dtypes.of(policy)
     kind = _kernel_kind(backend, sdpa_kernel, device, dt, training and args.dropout > 0, args)
-    # Flash-like kernels and selective recompute keep k and v per kv head; eager repeats
-    # them to the query heads, which tensor parallel splits as before.
-    kv_sized = recompute == "selective" or (recompute == "none" and kind in FLASH_LIKE)
+    # Flash-like kernels and selective recompute keep k and v per kv head; eager (and the
+    # xformers adapter) repeat them to the query heads, which tensor parallel splits as before.
+    kv_sized = recompute == "selective" or (
+        recompute == "none" and kind in FLASH_LIKE and kind not in REPEATS_KV
+    )
     kv_weights = 2 * args.d_model * args.n_kv_heads * args.head_dim * dt.c
     return replicated_kv_terms(terms, split, tp, args.n_kv_heads, kv_sized, kv_weights)
 
@@ -261,9 +266,8 @@ def _core_terms(
     heads = b * a * s * d  # one (b, a, s, d) tensor's elements
     scores = b * a * s * s
     if kind in FLASH_LIKE:
-        kv = b * args.n_kv_heads * s * d * dt.c
-        # CUDA's efficient kernel pads its logsumexp rows to multiples of 32.
-        rows = -(-s // 32) * 32 if kind == "efficient" and device == "cuda" else s
+        kv = b * (a if kind in REPEATS_KV else args.n_kv_heads) * s * d * dt.c
+        rows = _lse_rows(kind, device, dt, s)
         # The kernel's output is saved too, but it is laid out (b, s, a, d), so the
         # transpose-reshape wo reads is a view of it: counted once, as "wo.input".
         return {
@@ -291,6 +295,13 @@ def _core_terms(
     return terms
 
 
+def _lse_rows(kind: str, device: str, dt: Dtypes, s: int) -> int:
+    """Rows of a flash-like kernel's saved logsumexp: CUDA's efficient (CUTLASS) kernel pads
+    them to multiples of 32; xFormers runs that kernel for fp32 (FlashAttention for 16-bit)."""
+    cutlass = kind == "efficient" or (kind == "xformers" and dt.c == F32)
+    return -(-s // 32) * 32 if cutlass and device == "cuda" else s
+
+
 def _op_sac_terms(
     args: ModelArgs, b: int, s: int, dt: Dtypes, kind: str, device: str, every_other_mm: bool
 ) -> dict:
@@ -307,7 +318,7 @@ def _op_sac_terms(
     terms |= {f"{name}.output": b * s * widths[name] * dt.c for name in kept}
     heads = b * args.n_heads * s * args.head_dim
     if kind in FLASH_LIKE:
-        rows = -(-s // 32) * 32 if kind == "efficient" and device == "cuda" else s
+        rows = _lse_rows(kind, device, dt, s)
         terms["core.output"] = heads * dt.c
         terms["core.logsumexp"] = b * args.n_heads * rows * F32
     else:

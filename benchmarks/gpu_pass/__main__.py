@@ -1,0 +1,128 @@
+"""``python -m benchmarks.gpu_pass [--part 1|2|all] [--out DIR] [--dry] [--only NAMES]``
+
+Runs each section in its own process under its time limit, never stopping at a failure,
+and rewrites DIR/gpu_pass.json and gpu_pass.md after every section (a pass cut short keeps
+what finished). A second part run into the same DIR joins the first's record. Every
+section's output goes to DIR/gpu_pass.log. Exit status 1 when a section failed or timed
+out; goals missed are reported, not failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.gpu_pass.common import LIMIT_ENV, PARTIAL_ENV, environment
+from benchmarks.gpu_pass.report import LOG_NAME, load, markdown, save
+from benchmarks.gpu_pass.sections import DRY_LIMIT_S, Section, selected
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _child_env(limit: float, partial: Path) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    env[LIMIT_ENV], env[PARTIAL_ENV] = str(limit), str(partial)
+    # Compiles land in known folders (the Makefile sets the same ones).
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))
+    env.setdefault("TRITON_CACHE_DIR", str(REPO / ".cache" / "triton"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_section(section: Section, dry: bool, limit: float, log) -> tuple[str, float, dict | None]:
+    """(status, seconds, result) of one section run in a fresh process group."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json, partial = Path(tmp) / "result.json", Path(tmp) / "partial.json"
+        cmd = [sys.executable, "-m", "benchmarks.gpu_pass.section", section.module]
+        cmd += ["--json", str(out_json)] + (["--dry"] if dry else [])
+        log.write(f"\n===== {section.name} (limit {limit} s) =====\n")
+        log.flush()
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=_child_env(limit, partial), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            code = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the section and any process it started
+            proc.wait()
+            rows = json.loads(partial.read_text()) if partial.exists() else None
+            kept = " (the rows it finished are kept)" if rows else ""
+            return f"timed out after {limit} s{kept}", time.monotonic() - start, rows
+        seconds = time.monotonic() - start
+        if code != 0 or not out_json.exists():
+            return f"failed (exit {code}; see {LOG_NAME})", seconds, None
+        return "ok", seconds, json.loads(out_json.read_text())
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", default="all", choices=["1", "2", "all"])
+    p.add_argument("--out", default="outputs/gpu_pass", help="folder for json, md and log")
+    p.add_argument("--dry", action="store_true", help="every section on CPU at tiny sizes")
+    p.add_argument("--only", help="comma list of sections (instead of --part)")
+    p.add_argument(
+        "--limit-scale", type=float, default=1.0,
+        help="multiply every section's time limit (a machine booked for less time)",
+    )  # fmt: skip
+    p.add_argument(
+        "--limit", action="append", default=[], metavar="SECTION=SECONDS",
+        help="one section's time limit in seconds (repeatable; overrides --limit-scale)",
+    )  # fmt: skip
+    return p.parse_args(argv)
+
+
+def limits(sections: list[Section], a: argparse.Namespace) -> dict[str, float]:
+    """Each section's limit: its own (the dry run's on CPU) times --limit-scale, or --limit."""
+    out = {s.name: round((DRY_LIMIT_S if a.dry else s.limit_s) * a.limit_scale) for s in sections}
+    for item in a.limit:
+        name, _, seconds = item.partition("=")
+        if name not in out or not seconds.replace(".", "", 1).isdigit():
+            raise SystemExit(f"--limit {item}: use SECTION=SECONDS for one of {', '.join(out)}")
+        out[name] = float(seconds)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    sections = selected(a.part, a.only)
+    limit = limits(sections, a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    record = load(out)
+    # A record from another device or mode is not joined: its figures would mix machines.
+    if record.get("env", {}).get("device") != env["device"] or record.get("dry") != a.dry:
+        record = {"sections": {}}
+    record.update(env=env, dry=a.dry)
+    dry_flag = " --dry" if a.dry else ""
+    with (out / LOG_NAME).open("a") as log:
+        for section in sections:
+            print(f"gpu pass: {section.name} (part {section.part}) ...", flush=True)
+            status, seconds, result = run_section(section, a.dry, limit[section.name], log)
+            record["sections"][section.name] = {
+                "part": section.part,
+                "status": status,
+                "seconds": seconds,
+                "dry": a.dry,
+                "command": f"python -m benchmarks.gpu_pass --only {section.name}{dry_flag}",
+                "env": env,
+                "result": result,
+            }
+            save(out, record)
+            print(f"gpu pass: {section.name}: {status} ({seconds:.0f} s)", flush=True)
+    print(markdown(record))
+    print(f"gpu pass: wrote {out}/gpu_pass.json, gpu_pass.md, {LOG_NAME}", flush=True)
+    return 0 if all(e["status"] == "ok" for e in record["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

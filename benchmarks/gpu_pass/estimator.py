@@ -1,0 +1,142 @@
+"""The memory estimator against the allocator: ``llm.estimate``'s total (model states +
+activations) for a configuration, beside ``torch.cuda.max_memory_allocated`` over the
+training steps of the same configuration run by train.py's code (llm.launch), for
+gpt2-small, gpt2-medium and llama-1b under recompute none, selective, full and op_sac.
+
+Each run trains 3 steps, bf16, at T=1024 on a small corpus of standard-library files with a
+4096-token BPE; the measured figure is the run's step peak (``peak_memory_bytes``, the
+allocator's highest per-step peak). The dry run does the same on CPU with gpt2-tiny, where
+the peak is the tracker's live tensor bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from benchmarks.gpu_pass.common import Goal, Result, checkpoint, device
+from llm.config import register_configs, to_dataclass
+from llm.estimate.estimator import estimate
+from llm.launch import launch
+from llm.validate import model_args_for, tokenizer_vocab_size, validate
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+POLICIES = ["none", "selective", "full", "op_sac"]
+GOAL = 0.03
+# (model, micro-batch) at seq_len; the dry run's tiny model on CPU.
+GPU = {"models": [("gpt2-small", 8), ("gpt2-medium", 8), ("llama-1b", 4)], "seq_len": 1024}
+DRY = {"models": [("gpt2-tiny", 4)], "seq_len": 64}
+
+
+def compose_config(overrides: list[str]):
+    """The config train.py would compose from ``overrides``."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return to_dataclass(compose(config_name="config", overrides=overrides))
+
+
+def small_corpus(root: Path) -> Path:
+    """40 standard-library modules as text documents: every machine has them."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    folder = root / "corpus"
+    folder.mkdir()
+    for path in sorted(stdlib.glob("*.py"))[:40]:
+        shutil.copy(path, folder / f"{path.stem}.txt")
+    return folder
+
+
+def overrides(work: Path, model: str, batch: int, policy: str, seq_len: int, dry: bool):
+    return [
+        f"output_dir={work / f'{model}-{policy}'}",
+        f"model={model}",
+        f"recompute={policy}",
+        "precision=bf16",
+        "data=files",
+        f"data.path={work / 'corpus'}",
+        f"data.cache_dir={work / 'cache'}",
+        "data.tokenizer=bpe",
+        "data.vocab_size=4096",
+        f"data.seq_len={seq_len}",
+        "data.val_samples=2",
+        f"train.device={device(dry).type}",
+        "train.max_steps=3",
+        f"train.micro_batch_size={batch}",
+        "train.log_every=1",
+        "train.eval_every=1000",
+        "scheduler.warmup_steps=1",
+        "checkpoint.enabled=false",
+        "logger=none",
+        "logger.progress=false",
+        f"estimate.device={device(dry).type}",
+    ]
+
+
+def measure(work: Path, model: str, batch: int, policy: str, seq_len: int, dry: bool) -> dict:
+    gc.collect()
+    if not dry:
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated() if not dry else 0
+    cfg = compose_config(overrides(work, model, batch, policy, seq_len, dry))
+    validate(cfg)
+    summary = launch(cfg)
+    est = estimate(cfg, model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg)))
+    measured = summary["peak_memory_bytes"]
+    return {
+        "model": model,
+        "recompute": policy,
+        "batch": batch,
+        "estimate_mib": est.total / 2**20,
+        "measured_mib": measured / 2**20,
+        "error_pct": 100 * (est.total / measured - 1),
+        "activations_mib": est.device.get("activations", 0) / 2**20,
+        "left_from_before_mib": before / 2**20,
+    }
+
+
+def run(dry: bool) -> Result:
+    s = DRY if dry else GPU
+    rows, notes = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        small_corpus(work)
+        for model, batch in s["models"]:
+            for policy in POLICIES:
+                try:
+                    rows.append(measure(work, model, batch, policy, s["seq_len"], dry))
+                except Exception as e:  # a row that fails is reported; the sweep goes on
+                    notes.append(
+                        f"{model} {policy}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    )
+                print(rows[-1] if rows else None, flush=True)
+                checkpoint(_result(rows, notes, dry))
+    return _result(rows, notes, dry)
+
+
+def _result(rows: list[dict], notes: list[str], dry: bool) -> Result:
+    s = DRY if dry else GPU
+    worst = max((abs(r["error_pct"]) for r in rows), default=None)
+    what = "allocator's step peak" if not dry else "peak tracker's live bytes (CPU)"
+    return Result(
+        title="memory estimator against the measured step peak",
+        shapes=f"T={s['seq_len']}, bf16, AdamW, vocabulary 4096 (BPE), 3 steps; measured: {what}",
+        columns=["model", "recompute", "batch", "estimate_mib", "measured_mib", "error_pct",
+                 "activations_mib", "left_from_before_mib"],
+        rows=rows,
+        goals=[
+            Goal(
+                "estimate against measured, every row",
+                f"within {GOAL:.0%}",
+                "no rows" if worst is None else f"largest error {worst:.2f}%",
+                None if dry or worst is None else worst <= 100 * GOAL and len(notes) == 0,
+            )
+        ],
+        notes=notes,
+    )  # fmt: skip

@@ -1,0 +1,82 @@
+"""The CUDA tests: ``pytest -m gpu``, all of them, one row per test with its outcome.
+
+The dry run collects them instead (they need a GPU to run), so a test that no longer
+imports or collects is caught on CPU.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.gpu_pass.common import Goal, Result, checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+PYTEST = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider"]
+
+
+# pytest -v's line per test, and -rA's summary line per test with its reason.
+RESULT_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
+SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+)(?: - (.*))?")
+
+
+def _run_tests() -> list[dict]:
+    """Run the tests, reading pytest's lines as they come, so that a section cut short by
+    its time limit keeps every test that finished."""
+    rows: dict[str, dict] = {}
+    proc = subprocess.Popen(
+        [*PYTEST, "-v", "-rA"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        if found := RESULT_LINE.match(line):
+            test, outcome = found.groups()
+            rows[test] = {"test": test, "outcome": outcome.lower(), "message": ""}
+            checkpoint(_result(list(rows.values()), dry=False))
+        elif (found := SUMMARY_LINE.match(line)) and found.group(2) in rows:
+            rows[found.group(2)]["message"] = (found.group(3) or "")[:160]
+    proc.wait()
+    if not rows:
+        raise SystemExit(f"pytest -m gpu ran no test (exit {proc.returncode}; see the log)")
+    return list(rows.values())
+
+
+def _collect() -> list[dict]:
+    done = subprocess.run(
+        [*PYTEST, "-q", "--collect-only"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"pytest -m gpu --collect-only failed:\n{done.stdout}{done.stderr}")
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    return [{"test": i, "outcome": "collected", "message": ""} for i in ids]
+
+
+def _result(rows: list[dict], dry: bool) -> Result:
+    bad = [r for r in rows if r["outcome"] in ("failed", "error")]
+    passed = sum(r["outcome"] == "passed" for r in rows)
+    skipped = sum(r["outcome"] == "skipped" for r in rows)
+    goal = Goal(
+        "the CUDA tests pass",
+        "every test passes",
+        f"{len(rows)} collected (not run: no GPU)"
+        if dry
+        else f"{passed} passed, {len(bad)} failed, {skipped} skipped",
+        None if dry else not bad and passed > 0,
+    )
+    return Result(
+        title="pytest -m gpu",
+        shapes="the tests' own",
+        columns=["test", "outcome", "message"],
+        rows=rows,
+        goals=[goal],
+    )
+
+
+def run(dry: bool) -> Result:
+    rows = _collect() if dry else _run_tests()
+    if not rows:
+        raise SystemExit("pytest -m gpu found no tests")
+    return _result(rows, dry)

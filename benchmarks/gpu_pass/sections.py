@@ -1,0 +1,46 @@
+"""The sections of the pass, by part, with the time each may take on one H100 or H200.
+
+Each limit covers the section's process whole (imports, compiles, autotuning, warm-up);
+the sections that sweep (attention) also stop adding rows at a budget of their own below
+it and say which rows they left out. Part 1 sums to at most 7 minutes, part 2 to 5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    part: int
+    limit_s: int  # on the GPU; the dry run has its own, smaller limit
+    module: str  # its run(dry) -> Result, started by benchmarks.gpu_pass.section
+
+
+SECTIONS = [
+    Section("gpu_tests", 1, 180, "benchmarks.gpu_pass.gpu_tests"),
+    Section("model_step", 1, 150, "benchmarks.gpu_pass.model_step"),
+    Section("attention", 1, 150, "benchmarks.gpu_pass.attention"),
+    Section("estimator", 2, 120, "benchmarks.gpu_pass.estimator"),
+    Section("recompute", 2, 60, "benchmarks.gpu_pass.recompute"),
+    Section("optimizers", 2, 60, "benchmarks.gpu_pass.optimizers"),
+    Section("fp8", 2, 120, "benchmarks.gpu_pass.fp8"),
+]
+DRY_LIMIT_S = 120
+BY_NAME = {s.name: s for s in SECTIONS}
+
+
+def selected(part: str, only: str | None) -> list[Section]:
+    """The sections of ``part`` (1, 2 or all), or those named in ``only`` (a comma list)."""
+    if only:
+        names = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in BY_NAME]
+        if unknown:
+            raise SystemExit(
+                f"--only {','.join(unknown)}: unknown section; choose from {', '.join(BY_NAME)}"
+            )
+        return [BY_NAME[n] for n in names]
+    if part == "all":
+        return list(SECTIONS)
+    return [s for s in SECTIONS if s.part == int(part)]
