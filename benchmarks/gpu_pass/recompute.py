@@ -14,7 +14,7 @@ from llm.models import MODEL_SHAPES, model_args
 SELECTIVE_GOAL = 5.0  # percent
 GPU = ["--device", "cuda", "--model", "gpt2-medium", "--seq-lens", "2048", "--batch", "4",
        "--precision", "bf16", "--steps", "5", "--warmup", "2"]  # fmt: skip
-DRY = ["--device", "cpu", "--model", "gpt2-tiny", "--seq-lens", "64", "--batch", "2",
+DRY = ["--device", "cpu", "--model", "gpt2-tiny", "--seq-lens", "64", "--batch", "2", "--backends", "sdpa",
        "--steps", "2", "--warmup", "1"]  # fmt: skip
 
 

@@ -1,0 +1,5 @@
+"""A section that fails before any row: the runner must report it and go on."""
+
+
+def run(dry: bool):
+    raise RuntimeError("this section is broken on purpose")
