@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-slow test-gpu gpu-pass gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline experiments clean
+.PHONY: help venv train test test-slow test-gpu test-slurm gpu-pass gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline experiments clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -36,6 +36,10 @@ test-slow: $(STAMP) ## the slow tests (longer runs, bigger shapes)
 
 test-gpu: $(STAMP) ## the CUDA tests (needs a GPU)
 	$(PY) -m pytest -m gpu $(ARGS)
+
+test-slurm: $(STAMP) ## the Slurm tests on a one-host cluster they start and stop (apt-installs slurm-wlm if missing)
+	command -v slurmctld >/dev/null || { apt-get update -qq && apt-get install -y -qq slurm-wlm; }
+	$(PY) -m pytest -m slurm $(ARGS)
 
 # The GPU pass: PART=1|2 (default both), OUT=folder, DRY=1 for the CPU code-path check.
 # GPU_PY=python3 runs it with an environment of your own (a sealed GPU image) instead of .venv.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.sweep import ERROR_FILE
 from llm.config import register_configs
-from llm.errors import ConfigError, Interrupted
+from llm.errors import ConfigError
+from llm.train.stop import STOP_CODES
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -93,12 +93,6 @@ def _reason(stderr: str, fallback: str) -> str:
     return lines[-1] if lines else fallback
 
 
-def _stop_signal(run_dir: Path) -> str | None:
-    """The signal that stopped the run in ``run_dir`` before its last step, if any."""
-    summary = run_dir / "summary.json"
-    return json.loads(summary.read_text()).get("stop_signal") if summary.exists() else None
-
-
 def run_sweep(config: str, overrides: list[str]) -> Path | None:
     """Run the sweep; returns its directory (None if Hydra stopped before making one).
     Raises SweepInterrupted when a job was interrupted."""
@@ -113,17 +107,14 @@ def run_sweep(config: str, overrides: list[str]) -> Path | None:
         tee = _Tee(sys.stderr)
         try:
             with contextlib.redirect_stderr(tee):
-                result = train.main(cfg)  # Hydra's decorator passes a given cfg straight on
-            if _stop_signal(Path(cfg.output_dir)):
-                # SIGTERM (Slurm's preemption): the job checkpointed and exited 0, and the
-                # sweep stops with it, as after Ctrl-C.
-                raise SystemExit(Interrupted.exit_code)
-            return result
+                # Hydra's decorator passes a given cfg straight on. A job a signal stopped
+                # (Ctrl-C, or Slurm's SIGTERM) checkpointed and exits 130 or 143.
+                return train.main(cfg)
         except SystemExit as exc:
             if exc.code in (0, None):
                 return None
-            if exc.code == Interrupted.exit_code:
-                raise  # not a failed job: the user stops the sweep
+            if exc.code in STOP_CODES:
+                raise  # not a failed job: a signal stops the sweep
             reason = _reason(tee.copy.getvalue(), f"exit status {exc.code}")
         except Exception as exc:  # any failure is recorded; the sweep goes on
             reason = f"{type(exc).__name__}: {exc}"
@@ -137,7 +128,7 @@ def run_sweep(config: str, overrides: list[str]) -> Path | None:
     except SystemExit as exc:
         # Hydra exits after the sweep when a job failed (the report marks it), or at once
         # when a job was interrupted.
-        if exc.code == Interrupted.exit_code:
+        if exc.code in STOP_CODES:
             raise SweepInterrupted(state.get("sweep_dir")) from None
     finally:
         sys.argv = argv

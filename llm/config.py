@@ -676,7 +676,12 @@ def _refuse_unknown_keys(cfg: Any) -> None:
     unknown = unknown_keys(cfg, Config)
     if not unknown:
         return
-    key = unknown[0]
+    raise ConfigError(unknown_key_message(unknown[0]))
+
+
+def unknown_key_message(key: str) -> str:
+    """One line for a dotted ``key`` whose last part its parent's schema does not declare:
+    the closest declared key, and the parent's keys."""
     parent, _, leaf = key.rpartition(".")
     schema = Config
     for part in filter(None, parent.split(".")):
@@ -684,10 +689,25 @@ def _refuse_unknown_keys(cfg: Any) -> None:
     known = [f.name for f in dataclasses.fields(schema)]
     close = difflib.get_close_matches(leaf, known, n=1)
     hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
-    raise ConfigError(
+    return (
         f"{key} is not a config key; {hint}remove it or fix its name "
         f"(keys of {parent or 'the root'}: {', '.join(known)})"
     )
+
+
+def first_unknown_part(key: str) -> str | None:
+    """The prefix of dotted ``key`` up to its first part the schema does not declare, or
+    None when every part down to a non-dataclass field (a dict, a list, a value) exists."""
+    schema: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(schema)
+        if part not in hints:
+            return ".".join(parts[: i + 1])
+        schema = hints[part]
+        if not dataclasses.is_dataclass(schema):
+            return None
+    return None
 
 
 def to_dataclass(cfg: Any) -> Config:
@@ -699,4 +719,13 @@ def to_dataclass(cfg: Any) -> Config:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
 
 
-__all__ = ["GROUPS", "MISSING", "Config", "register_configs", "to_dataclass", "unknown_keys"]
+__all__ = [
+    "GROUPS",
+    "MISSING",
+    "Config",
+    "first_unknown_part",
+    "register_configs",
+    "to_dataclass",
+    "unknown_key_message",
+    "unknown_keys",
+]

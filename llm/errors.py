@@ -28,6 +28,11 @@ class DiskFullError(LabError, OSError):
 
 
 class Interrupted(LabError):
-    """Ctrl-C stopped the run after its ranks checkpointed; the shell's code for SIGINT."""
+    """A signal stopped the run after its ranks checkpointed; train.py prints "stopped:"
+    and exits with the shell's code for that signal (SIGINT 130, SIGTERM 143)."""
 
     exit_code = 130
+
+    def __init__(self, message: str, exit_code: int = 130) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -19,13 +19,17 @@ from traceback import format_exc
 
 import torch.multiprocessing as mp
 
+from llm.agent_watch import watch_agent
 from llm.config import Config
 from llm.dist import RankEnv
 from llm.errors import Interrupted, LabError, TrainingError
 from llm.rank_failures import rank_failure, record_rank_failure
 from llm.run_dir_lock import RunDirLock
+from llm.run_record import write_run_record
+from llm.slurm_requeue import ignore_in_rank, requeue_on_preemption
 from llm.train.checkpoint import describe
 from llm.train.checkpoint_files import list_checkpoints
+from llm.train.stop import announce_stop, exit_code, stop_guard
 
 REPO = Path(__file__).resolve().parent.parent
 ERRORS_DIR = ".rank_errors"
@@ -144,10 +148,22 @@ def prepare_for_ranks(cfg: Config) -> Config:
     )
 
 
-def launch(cfg: Config) -> dict:
+@requeue_on_preemption(os.environ)  # under submitit on Slurm: a stopped run is requeued
+def launch(cfg: Config, record: dict[str, str] | None = None) -> dict:
     """Run training: in this process when a launcher made it a rank (or for one rank),
-    else by spawning local ranks. Returns the run summary; raises Interrupted after a
-    Ctrl-C, once the ranks have checkpointed."""
+    else by spawning local ranks. ``record``: the run's .hydra files (train.py's), written
+    once the run directory's lock is held. Returns the run summary; raises Interrupted when
+    a signal stopped the run (at any moment: start-up, training, the final save or after
+    it), once the ranks have checkpointed."""
+    with stop_guard() as stop:
+        summary = _launch(cfg, record)
+        signal_name = summary.get("stop_signal") or stop.signal
+    if signal_name is not None:
+        raise Interrupted(stopped_message(cfg, signal_name), exit_code(signal_name))
+    return summary
+
+
+def _launch(cfg: Config, record: dict[str, str] | None) -> dict:
     from llm import run
     from llm.data import prepare_data
 
@@ -155,23 +171,20 @@ def launch(cfg: Config) -> dict:
     cfg = prepare_for_ranks(cfg)
     env = external_rank_env()
     if env is not None:
-        summary = run.main(cfg, env, lock_run_dir=True)
-    else:
-        # Taken before any work, held until the ranks are done; the kernel frees it if
-        # this process dies.
-        with RunDirLock(Path(cfg.output_dir)):
-            # Tokenizer training and tokenising happen once here, not once per rank.
-            prepare_data(cfg.data)
-            n = cfg.launcher.nproc_per_node
-            if n == 1:
-                env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port())
-                export_local_rank(env)
-                summary = run.main(cfg, env)
-            else:
-                summary = _spawn(cfg, n)
-    if summary.get("stop_signal") == "SIGINT":
-        raise Interrupted(_interrupted(cfg))
-    return summary
+        with watch_agent(env):  # under torchrun: a lost agent or node, named in one line
+            return run.main(cfg, env, lock_run_dir=True, record=record)
+    # Taken before any work and any write, held until the ranks are done; the kernel frees
+    # it if this process dies.
+    with RunDirLock(Path(cfg.output_dir)):
+        write_run_record(Path(cfg.output_dir), record)
+        # Tokenizer training and tokenising happen once here, not once per rank.
+        prepare_data(cfg.data)
+        n = cfg.launcher.nproc_per_node
+        if n == 1:
+            env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port())
+            export_local_rank(env)
+            return run.main(cfg, env)
+        return _spawn(cfg, n)
 
 
 def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | None = None) -> dict:
@@ -186,10 +199,14 @@ def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | N
 
     def stop_ranks(signum, frame) -> None:
         # Slurm signals the launcher (SIGTERM), Ctrl-C the whole process group (SIGINT):
-        # ranks hear SIGTERM either way, checkpoint and stop; we wait for them.
+        # ranks hear SIGTERM either way, checkpoint and stop; we wait for them. A second
+        # Ctrl-C stops them at once (their checkpoints are atomic: the newest whole one stays).
+        again = signum == signal.SIGINT and signal.SIGINT in received
+        if not received:  # the launcher owns the terminal: it says what happens next
+            announce_stop(signal.Signals(signum).name)
         received.append(signum)
         for context in contexts:
-            _forward(context, signal.SIGTERM)
+            _forward(context, signal.SIGKILL if again else signal.SIGTERM)
 
     # Installed first: a Ctrl-C while ranks start must not end the launcher alone.
     previous = {sig: signal.signal(sig, stop_ranks) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -207,15 +224,24 @@ def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | N
         while not context.join():
             pass
     except mp.ProcessExitedException as exc:
-        failure = rank_failure(errors, exc.error_index, exc.exit_code, exc.signal_name)
-        if signal.SIGINT in received:
-            raise Interrupted(f"{_interrupted(cfg)}; while stopping, {failure}") from None
-        raise TrainingError(failure) from None
+        if not received:
+            raise TrainingError(
+                rank_failure(errors, exc.error_index, exc.exit_code, exc.signal_name)
+            ) from None
+        name = signal.Signals(received[0]).name
+        message = stopped_message(cfg, name)
+        # A rank that ended by the signal we passed on (it was still starting, or a second
+        # Ctrl-C) stopped as asked; anything else is a failure while stopping, named.
+        if exc.signal_name not in ("SIGTERM", "SIGKILL") or any(errors.glob("rank*.txt")):
+            failure = rank_failure(errors, exc.error_index, exc.exit_code, exc.signal_name)
+            message = f"{message}; while stopping, {failure}"
+        raise Interrupted(message, exit_code(name)) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if signal.SIGINT in received:
-        raise Interrupted(_interrupted(cfg))
+    if received:  # the ranks checkpointed and stopped as asked
+        name = signal.Signals(received[0]).name
+        raise Interrupted(stopped_message(cfg, name), exit_code(name))
     return _read_summary(cfg)
 
 
@@ -225,14 +251,14 @@ def _forward(context, sig) -> None:
             os.kill(process.pid, sig)
 
 
-def _interrupted(cfg: Config) -> str:
+def stopped_message(cfg: Config, signal_name: str) -> str:
+    """The one line for a run a signal stopped: which signal, and the checkpoint to resume
+    from (the newest one, which the run wrote on the way out)."""
+    what = "interrupted (Ctrl-C)" if signal_name == "SIGINT" else f"terminated ({signal_name})"
     found = list_checkpoints(Path(cfg.output_dir) / "checkpoints")
     if not found:
-        return "interrupted (Ctrl-C) before any checkpoint was written; nothing to resume"
-    return (
-        f"interrupted (Ctrl-C); the newest checkpoint is {found[-1]}: run the same command "
-        "to resume from it"
-    )
+        return f"{what} before any checkpoint was written; nothing to resume"
+    return f"{what}; the newest checkpoint is {found[-1]}: run the same command to resume from it"
 
 
 def _read_summary(cfg: Config) -> dict:
@@ -248,8 +274,10 @@ def _rank_entry(
         rank_main = run.main
     env = RankEnv(local_rank, local_rank, world_size, addr, port)
     export_local_rank(env)
+    ignore_in_rank(os.environ)  # submitit's preemption signal: the launcher passes it on
     try:
-        rank_main(cfg, env)
+        with stop_guard():  # before anything is built: a SIGTERM from here on is a stop
+            rank_main(cfg, env)
     except (SystemExit, KeyboardInterrupt):
         raise
     except LabError as exc:

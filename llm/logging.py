@@ -164,12 +164,13 @@ class RunLogger:
             self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def alert(self, message: str) -> None:
-        self.console.print(f"[yellow]alert:[/yellow] {message}")
+        # Messages carry paths: never wrapped, never read as rich markup.
+        self.console.print(f"alert: {message}", markup=False, highlight=False, soft_wrap=True)
         if self.wandb_run is not None:
             self.wandb_run.alert(title="training alert", text=message)
 
     def info(self, message: str) -> None:
-        self.console.print(message)
+        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def summary(self, summary: dict[str, Any]) -> None:
         if self.wandb_run is not None:

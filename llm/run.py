@@ -41,8 +41,10 @@ from llm.parallel.tensor_parallel import apply_tensor_parallel, padded_vocab
 from llm.precision import apply_precision, build_loss_scaler, resolve_precision
 from llm.recompute import apply_recompute, recompute_policy
 from llm.run_dir_lock import RunDirLock
+from llm.run_record import write_run_record
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import peak_flops
+from llm.train.stop import StopRequested, stop_guard
 from llm.train.trainer import Trainer
 from llm.validate import model_args_for, resolve_device
 
@@ -110,10 +112,19 @@ def build_model_for(cfg: Config, vocab_size: int) -> tuple[Transformer, WeightSo
     return model, weights
 
 
-def main(cfg: Config, env: RankEnv, lock_run_dir: bool = False) -> dict:
+def main(cfg: Config, env: RankEnv, lock_run_dir: bool = False, record: dict | None = None) -> dict:
     """Run training on this rank; every rank returns the same summary. ``lock_run_dir``:
     rank 0 takes the run-directory lock (under torchrun / Slurm, where no launcher of ours
-    holds it), and every rank refuses if it is taken."""
+    holds it), and every rank refuses if it is taken; rank 0 then writes ``record`` (the
+    run's .hydra files, llm.run_record). Signals are recorded from here to the end
+    (llm.train.stop): a stop at any moment leaves the newest completed step saved."""
+    with stop_guard() as stop:
+        return _main(cfg, env, lock_run_dir, stop, record)
+
+
+def _main(
+    cfg: Config, env: RankEnv, lock_run_dir: bool, stop: StopRequested, record: dict | None
+) -> dict:
     device = resolve_device(cfg)
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
@@ -132,7 +143,9 @@ def main(cfg: Config, env: RankEnv, lock_run_dir: bool = False) -> dict:
     try:
         if lock_run_dir:
             _lock_on_rank0(lock, env)
-        return _train(cfg, env, device, tracker)
+            if env.rank == 0:
+                write_run_record(Path(cfg.output_dir), record)
+        return _train(cfg, env, device, tracker, stop)
     finally:
         lock.release()
         tracker.end()  # a start-up that raised leaves its window open
@@ -152,7 +165,9 @@ def _lock_on_rank0(lock: RunDirLock, env: RankEnv) -> None:
         raise ConfigError(refusal)
 
 
-def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker) -> dict:
+def _train(
+    cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker, stop: StopRequested
+) -> dict:
     torch.manual_seed(cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -257,6 +272,7 @@ def _train(cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker
         device=device,
         tracker=tracker,
         recompute=recompute,
+        stop=stop,
     )
     try:
         if checkpointer is not None and (path := checkpointer.resolve(cfg.checkpoint.resume)):

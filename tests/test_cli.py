@@ -133,7 +133,7 @@ def test_multirun_two_jobs_of_two_ranks(tmp_path, text_corpus, cache_dir):
         assert group.encode() in record.read_bytes()
 
 
-def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, text_corpus, cache_dir):
+def test_sigterm_checkpoints_and_says_stopped(tmp_path, text_corpus, cache_dir):
     out = tmp_path / "run"
     proc = train_cli(
         small(
@@ -157,10 +157,17 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, text_corpus, cache_dir)
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 143, stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_early"] and 3 <= summary["steps"] < 100000
-    assert (out / "checkpoints" / f"step_{summary['steps']:06d}" / "meta.json").is_file()
+    checkpoint = out / "checkpoints" / f"step_{summary['steps']:06d}"
+    assert (checkpoint / "meta.json").is_file()
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "SIGTERM: stopping after this step" in lines
+    assert lines[-1] == (
+        f"stopped: terminated (SIGTERM); the newest checkpoint is {checkpoint}: run the same "
+        "command to resume from it"
+    )
 
 
 def test_torchrun_ranks_share_one_run_directory(tmp_path, text_corpus, cache_dir):

@@ -539,15 +539,13 @@ def test_an_interrupted_job_stops_the_sweep(tmp_path, monkeypatch):
 
 
 def test_a_job_stopped_by_sigterm_stops_the_sweep(tmp_path, monkeypatch):
-    """SIGTERM (Slurm's preemption) stops train.py with a checkpoint and exit 0; its
-    summary names the signal, and no later job runs (they would be killed in turn)."""
+    """SIGTERM (Slurm's preemption) stops train.py with a checkpoint and exit 143, and no
+    later job runs (they would be killed in turn)."""
     calls = []
 
     def stopped(cfg):
         calls.append(cfg.precision.name)
-        out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps({"stop_signal": "SIGTERM"}))
+        raise SystemExit(143)
 
     monkeypatch.setattr(runner, "_train_module", lambda: types.SimpleNamespace(main=stopped))
     sweep_dir = tmp_path / "sweep"

@@ -120,7 +120,8 @@ def test_a_record_of_another_mode_is_not_joined(tmp_path, monkeypatch):
 def test_limits_scale_and_override(tmp_path):
     a = runner.parse(["--limit-scale", "0.5", "--limit", "attention=42"])
     got = runner.limits(SECTIONS, a)
-    assert got["attention"] == 42 and got["gpu_tests"] == round(SECTIONS[0].limit_s * 0.5)
+    gpu_tests = next(s for s in SECTIONS if s.name == "gpu_tests")
+    assert got["attention"] == 42 and got["gpu_tests"] == round(gpu_tests.limit_s * 0.5)
     with pytest.raises(SystemExit, match="--limit nope=3"):
         runner.limits(SECTIONS, runner.parse(["--limit", "nope=3"]))
 

@@ -32,7 +32,7 @@ from llm.recompute.policies import NoRecompute
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import StepTimer, mfu
 from llm.train.monitor import Monitor
-from llm.train.stop import StopRequested
+from llm.train.stop import StopRequested, stop_guard
 
 
 @dataclass
@@ -118,8 +118,12 @@ class Trainer:
         device: torch.device,
         tracker: PeakTracker | None = None,
         recompute: RecomputePolicy | None = None,
+        stop: StopRequested | None = None,
     ) -> None:
         self.cfg = cfg
+        # The process's record of stop signals (llm.train.stop.stop_guard); its handlers stay
+        # installed after fit() returns, so the final evaluation and save are covered too.
+        self.stop = stop
         self.model = model
         self.strategy = strategy
         self.scheduler = scheduler
@@ -395,7 +399,11 @@ class Trainer:
                 f"{t.memory_tracking}) run eagerly; train.memory_tracking=off compiles every step"
             )
         self.model.train()
-        with StopRequested() as stop:
+        with stop_guard() if self.stop is None else nullcontext(self.stop) as stop:
+            # A signal during start-up: stop before the first step (the checkpoint resumed
+            # from, if any, is still the newest; no step has completed since).
+            if self._any_rank_stopping(stop):
+                return self._stopped(stop, save=False)
             while self.state.step < last:
                 with timer.step():
                     self._pending.append(self.train_step(timer, stop))
@@ -414,13 +422,27 @@ class Trainer:
                 if saves:
                     self.save()
                 if stop_now:
-                    self.stop_signal = stop.signal
-                    self.logger.info(f"stop requested: checkpointing at step {self.state.step}")
-                    self.save()
-                    return self.summary(stopped=True)
-        self._eval_and_log()
-        self.save()
-        return self.summary(stopped=self.state.step < t.max_steps)
+                    return self._stopped(stop, save=True)
+            # A signal during the last steps or their reading: save without the evaluation.
+            if self._any_rank_stopping(stop):
+                return self._stopped(stop, save=True)
+            self._eval_and_log()
+            self.save()
+            # A signal during the final evaluation or save: that save is the newest checkpoint.
+            if self._any_rank_stopping(stop):
+                self.stop_signal = stop.signal
+            return self.summary(stopped=self.state.step < t.max_steps)
+
+    def _any_rank_stopping(self, stop: StopRequested) -> bool:
+        """Whether a stop signal reached any rank; every rank calls this at the same point."""
+        return bool(_all_reduce_sum([float(stop.requested)], self.device)[0].item())
+
+    def _stopped(self, stop: StopRequested, save: bool) -> dict:
+        self.stop_signal = stop.signal
+        if save:
+            self.logger.info(f"stop requested: checkpointing at step {self.state.step}")
+            self.save()
+        return self.summary(stopped=True)
 
     def _logs_at(self, step: int) -> bool:
         """Steps whose metrics are logged: the first, every log_every-th and the last."""

@@ -29,3 +29,13 @@ def checkpoints_on_sigterm(cfg, env) -> dict:
         checkpoint.mkdir(parents=True)
         (checkpoint / "meta.json").write_text("{}")
     return {}
+
+
+def slow_to_stop(cfg, env) -> dict:
+    """A rank whose checkpoint after SIGTERM takes long (it waits out the signal): only a
+    second Ctrl-C, which the launcher turns into SIGKILL, ends it soon."""
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    (Path(cfg.output_dir) / f"ready{env.rank}").touch()
+    time.sleep(120)
+    return {}

@@ -1,0 +1,89 @@
+"""What train.py tells a person when a run or a sweep ends, and the folder a refused
+config must not leave behind. Lines go to stderr beside the run's log, unwrapped (paths
+are copied from them)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from llm.train.checkpoint_files import list_checkpoints
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _loss(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _wandb_line(summary: dict) -> str | None:
+    run = summary.get("wandb")
+    if not run:
+        return None
+    folder = Path(run["dir"])
+    folder = folder.parent if folder.name == "files" else folder
+    if folder.name.startswith("offline-run"):
+        return f"W&B: ran offline; upload with: wandb sync {folder}"
+    return f"W&B: run {run['id']} (online), files in {folder}"
+
+
+def print_run_end(summary: dict, output_dir: Path) -> None:
+    """The run's last lines: its steps and final losses, where summary.json and the newest
+    checkpoint are, and how the W&B run is reached (summary.json names it)."""
+    written = output_dir / "summary.json"
+    summary = json.loads(written.read_text()) if written.exists() else summary
+    _say(
+        f"done: {summary.get('steps')} steps; final train loss "
+        f"{_loss(summary.get('final_train_loss'))}, val loss {_loss(summary.get('final_val_loss'))}"
+    )
+    _say(f"  summary: {output_dir / 'summary.json'}")
+    found = list_checkpoints(output_dir / "checkpoints")
+    _say(f"  checkpoint: {found[-1] if found else 'none (checkpoint.enabled=false)'}")
+    if line := _wandb_line(summary):
+        _say(f"  {line}")
+
+
+def print_sweep_table(jobs: list[dict]) -> None:
+    """One row per job of a sweep: its status, final losses, overrides and folder."""
+    _say(f"sweep: {len(jobs)} jobs")
+    rows = [("job", "status", "train loss", "val loss", "overrides", "folder")]
+    for i, job in enumerate(jobs):
+        s = job.get("summary") or {}
+        status = "done" if job.get("summary") else job.get("status", "not finished")
+        rows.append(
+            (
+                str(i),
+                status.split(":", 1)[0],
+                _loss(s.get("final_train_loss")),
+                _loss(s.get("final_val_loss")),
+                job["overrides"] or "-",
+                str(job["dir"]),
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
+    for r in rows:
+        _say("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[-1])
+
+
+def remove_unused_run_dir(run_dir: Path, levels: int = 3) -> None:
+    """Remove ``run_dir`` when it holds nothing but the empty log Hydra made for this job
+    (hydra/job_logging's ``<job name>.log``: a config refused before any work), then its parents up to ``levels`` that are left
+    empty (outputs/DATE/TIME). A folder with anything else in it (a live run's lock, an
+    earlier run's files) is kept."""
+    run_dir = Path(run_dir).resolve()
+    if not run_dir.is_dir():
+        return
+    entries = list(run_dir.iterdir())
+    if any(e.suffix != ".log" or not e.is_file() or e.stat().st_size > 0 for e in entries):
+        return
+    shutil.rmtree(run_dir)
+    parent = run_dir.parent
+    for _ in range(levels - 1):
+        if parent == Path.cwd() or not parent.is_dir() or any(parent.iterdir()):
+            return
+        parent.rmdir()
+        parent = parent.parent
