@@ -307,6 +307,26 @@ def test_checkpoints_move_between_pipeline_and_one_process(
 
 
 @pytest.mark.slow
+def test_a_pipeline_run_resumes_from_its_own_checkpoint(tmp_path, reference, text_corpus, cache_dir):
+    """pp=2 saved at step 2 resumes at pp=2. Each stage's optimizer param_groups name only
+    its own parameters, and DCP keeps one rank's copy of a non-tensor value, so each stage
+    must take its own names back (it failed with KeyError: 'betas' before)."""
+    half = f"checkpoint.every={STEPS // 2}"
+    _, pp_out = pp_run(tmp_path, text_corpus, cache_dir, "gpt2-tiny", "1f1b", half, name="pp")
+    step = f"step_{STEPS // 2:06d}"
+    _, resumed = pp_run(
+        tmp_path,
+        text_corpus,
+        cache_dir,
+        "gpt2-tiny",
+        "1f1b",
+        f"checkpoint.resume={pp_out / 'checkpoints' / step}",
+        name="resumed",
+    )
+    assert_run_matches(reference("gpt2-tiny"), resumed, STEPS, first_step=STEPS // 2 + 1)
+
+
+@pytest.mark.slow
 def test_pipeline_bf16_tracks_one_process_in_bf16(tmp_path, reference, text_corpus, cache_dir):
     """Under bf16 autocast the stages compute as one process does (the residual stream
     that crosses the stage boundary stays fp32), so only the order of gradient additions

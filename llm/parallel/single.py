@@ -137,6 +137,12 @@ class SingleStrategy(StrategyBase):
         optim_sd = state["optimizer"]
         if self.schedule is not None:
             optim_sd = self.schedule.checkpoint_names(optim_sd, whole=False)
+            # A stage's param_groups name its own parameters only, and DCP saves one rank's
+            # copy of a non-tensor value: the groups' settings are every stage's, their
+            # names this stage's own.
+            own = get_state_dict(self.model, self.optimizer)[1]["param_groups"]
+            for group, mine in zip(optim_sd["param_groups"], own, strict=True):
+                group["params"] = mine["params"]
         set_state_dict(
             self.model,
             self.optimizer,
