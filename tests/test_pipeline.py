@@ -307,7 +307,9 @@ def test_checkpoints_move_between_pipeline_and_one_process(
 
 
 @pytest.mark.slow
-def test_a_pipeline_run_resumes_from_its_own_checkpoint(tmp_path, reference, text_corpus, cache_dir):
+def test_a_pipeline_run_resumes_from_its_own_checkpoint(
+    tmp_path, reference, text_corpus, cache_dir
+):
     """pp=2 saved at step 2 resumes at pp=2. Each stage's optimizer param_groups name only
     its own parameters, and DCP keeps one rank's copy of a non-tensor value, so each stage
     must take its own names back (it failed with KeyError: 'betas' before)."""
