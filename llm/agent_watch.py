@@ -95,10 +95,12 @@ class AgentWatch:
                 store.set_timeout(timedelta(seconds=10))
             else:
                 store = self._store
+            # Kept before the first beat is visible: a rank that fails once its key exists
+            # must find the store to read the other ranks' beats.
+            self._store = store
             self._count += 1
             with self._lock:
                 store.set(_KEY.format(self.env.rank), f"{self._count} {self._identity}")
-            self._store = store
         except Exception:
             # Not up yet (never beat: not watching), or gone (lost_peers() says so).
             self._store_lost = self._store is not None

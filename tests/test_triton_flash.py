@@ -20,7 +20,12 @@ from triton_interpreter_cases import CASES, Case, make_inputs
 
 from llm.attention import attention
 from llm.attention.eager import repeat_kv
-from llm.attention.triton_flash import TRITON_SUPPORT, flash_attention_triton, triton_available
+from llm.attention.triton_flash import (
+    TRITON_SUPPORT,
+    flash_attention_triton,
+    triton_available,
+    triton_interpreter_problem,
+)
 from llm.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,6 +62,8 @@ def reference_grads(case: Case):
 def interpreted(tmp_path_factory):
     """Our kernel's outputs and gradients for every case, computed in Triton's interpreter."""
     pytest.importorskip("triton")  # a requirement on Linux; no wheels elsewhere
+    if why := triton_interpreter_problem():  # triton 3.6 (torch 2.11) with numpy 2.4
+        pytest.skip(why)
     path = tmp_path_factory.mktemp("triton") / "results.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     script = Path(__file__).parent / "triton_interpreter_cases.py"
@@ -116,6 +123,26 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
     q = torch.randn(1, 2, 8, 32)
     with pytest.raises(ConfigError, match="CUDA tensors"):
         flash_attention_triton(q, q, q, causal=True)
+
+
+def test_interpreter_before_triton_3_7_is_refused_in_one_line(monkeypatch):
+    """torch 2.11 pins triton 3.6, whose interpreter cannot index with numpy 2.4's arrays:
+    the interpreted kernel is refused in one line naming the versions and the fix."""
+    triton = pytest.importorskip("triton")
+    np = pytest.importorskip("numpy")
+    try:
+        int(np.ones(1))
+        pytest.skip(f"numpy {np.__version__} still converts 1-element arrays")
+    except TypeError:
+        pass
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    assert triton_interpreter_problem() is None
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    q = torch.randn(1, 2, 8, 32)
+    with pytest.raises(ConfigError, match=r"triton 3\.7\+.*torch 2\.12\+") as err:
+        flash_attention_triton(q, q, q, causal=True)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(

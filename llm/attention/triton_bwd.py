@@ -14,7 +14,13 @@ contending on the K/V head that a group shares.
 import triton
 import triton.language as tl
 
-from llm.attention.triton_configs import dkdv_configs, dq_configs, prune_dkdv, prune_dq
+from llm.attention.triton_configs import (
+    DO_BENCH,
+    dkdv_configs,
+    dq_configs,
+    prune_dkdv,
+    prune_dq,
+)
 from llm.attention.triton_fwd import key_range, load_block
 
 KEY = ["T", "HEAD_DIM", "CAUSAL", "HAS_DOCS"]
@@ -85,7 +91,10 @@ def dkdv_block_loop(
 
 
 @triton.autotune(
-    configs=dkdv_configs(), key=KEY, prune_configs_by={"early_config_prune": prune_dkdv}
+    configs=dkdv_configs(),
+    key=KEY,
+    prune_configs_by={"early_config_prune": prune_dkdv},
+    do_bench=DO_BENCH,
 )
 @triton.jit
 def flash_bwd_dkdv_kernel(
@@ -194,7 +203,12 @@ def dq_block_loop(
     return dq
 
 
-@triton.autotune(configs=dq_configs(), key=KEY, prune_configs_by={"early_config_prune": prune_dq})
+@triton.autotune(
+    configs=dq_configs(),
+    key=KEY,
+    prune_configs_by={"early_config_prune": prune_dq},
+    do_bench=DO_BENCH,
+)
 @triton.jit
 def flash_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, DOC, DOC_START, DOC_END,

@@ -55,6 +55,27 @@ def triton_available() -> str | None:
     return None
 
 
+def triton_interpreter_problem() -> str | None:
+    """None if Triton's interpreter can run our kernels here, else one line: why not, and the
+    fix. Triton before 3.7 (3.6 is what torch 2.11 pins) turns a loop bound into an int with
+    int() of a 1-element array, which numpy 2.4 refuses; 3.7 squeezes the array first."""
+    import numpy as np
+    import triton
+
+    try:
+        int(np.ones(1))  # what triton < 3.7's interpreter does to every runtime loop bound
+        return None
+    except TypeError:
+        pass
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):
+        return None
+    return (
+        f"attention=triton in Triton's interpreter (CPU tensors, tests only) needs triton 3.7+ "
+        f"with numpy {np.__version__} (triton {triton.__version__}, pinned by torch 2.11, cannot "
+        "index with numpy 2.4's arrays); run it on a CUDA GPU, or use torch 2.12+ (triton 3.7+)"
+    )
+
+
 # Under torch.compile the kernel runs as it is, outside the graph (a graph break per call):
 # it is fused already, and dynamo's tracing of autotuned user kernels was not tried on a GPU.
 @torch.compiler.disable
@@ -127,6 +148,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, dropout_p: f
             f"our Triton kernel needs CUDA tensors, not {q.device} (on CPU it runs only in "
             "Triton's interpreter: TRITON_INTERPRET=1 set before triton is imported; tests only)"
         )
+    if interpreted and (why := triton_interpreter_problem()):
+        raise ConfigError(why)
 
 
 def _document_runs(doc_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:

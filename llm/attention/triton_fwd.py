@@ -12,7 +12,7 @@ tensors and under Triton's interpreter for CPU tensors (see ``triton_flash._kern
 import triton
 import triton.language as tl
 
-from llm.attention.triton_configs import fwd_configs, prune_fwd
+from llm.attention.triton_configs import DO_BENCH, fwd_configs, prune_fwd
 
 
 @triton.jit
@@ -110,6 +110,7 @@ def fwd_block_loop(
     configs=fwd_configs(),
     key=["T", "HEAD_DIM", "CAUSAL", "HAS_DOCS"],
     prune_configs_by={"early_config_prune": prune_fwd},
+    do_bench=DO_BENCH,
 )
 @triton.jit
 def flash_fwd_kernel(

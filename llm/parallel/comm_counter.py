@@ -10,8 +10,9 @@ How FSDP2 (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.p
 counted without patching ``torch.distributed``:
 - parameter all-gathers and gradient reduce-scatters go through pluggable comm objects
   (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``); the counting ones
-  below record the payload and then make the same ``dist.*_single`` calls as FSDP2's
-  defaults, allocating their buffers the same way (``torch.empty``);
+  below record the payload and then make the same calls as FSDP2's defaults (torch 2.13's
+  ``dist.*_single``, older releases' ``all_gather_into_tensor``/``reduce_scatter_tensor``),
+  allocating their buffers the same way (``torch.empty``);
 - HSDP's all-reduce across replicas is a plain ``dist.all_reduce`` inside FSDP2, after which
   FSDP2 calls the module's ``set_all_reduce_hook`` hook with the all-reduced buffer. In plain
   FSDP that hook sees the reduce-scatter output instead, so it is installed for HSDP only.
@@ -32,6 +33,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# The collectives under the names this torch has, as llm/parallel/zero/collectives.py picks
+# them (that package imports this module's importers, so not imported here): torch 2.13's
+# *_single names, which 2.11 and 2.12 lack.
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CommCounter:
@@ -64,7 +71,7 @@ class CountingAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.counter.add("all_gather", output_tensor)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class CountingReduceScatter(ReduceScatter):
@@ -76,7 +83,7 @@ class CountingReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.counter.add("reduce_scatter", input_tensor)
-        return dist.reduce_scatter_single(
+        return reduce_scatter(
             output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
         )
 

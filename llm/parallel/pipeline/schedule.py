@@ -16,6 +16,7 @@ each micro-batch's backward of a stage runs in, told whether it is the step's la
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -51,6 +52,9 @@ SCHEDULES = {
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # The context one micro-batch's backward runs in; its argument: the step's last backward.
 GradSync = Callable[[bool], AbstractContextManager]
+# torch 2.12 and later stages infer DTensor metadata at run time and take the mesh it needs
+# from this callback; 2.11's have no such inference and no such argument.
+_STAGE_TAKES_MESH = "get_mesh" in inspect.signature(PipelineStage).parameters
 
 
 class _SyncedStage(PipelineStage):
@@ -89,6 +93,7 @@ class Pipeline:
         self.tied = TiedEmbeddings(part, dims)
         group = dims.pp_group()
         n_stages = part.layout.n_stages
+        mesh = {"get_mesh": lambda names, _layout: dims.mesh[names]} if _STAGE_TAKES_MESH else {}
         self._last_batch = True  # the batch running now is the step's last
         self.stages = [
             _SyncedStage(
@@ -97,7 +102,7 @@ class Pipeline:
                 n_stages,
                 device,
                 group=group,
-                get_mesh=lambda names, _layout: dims.mesh[names],
+                **mesh,
                 grad_sync=grad_sync or (lambda _last: nullcontext()),
                 last_batch=lambda: self._last_batch,
             )
