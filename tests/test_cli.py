@@ -123,7 +123,9 @@ def test_multirun_two_jobs_of_two_ranks(tmp_path, text_corpus, cache_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["world_size"] for s in summaries] == [2, 2]
-    assert all(len(s["comm_bytes_per_step"]) == 2 for s in summaries)
+    # parallelism.count_comm is off by default: no figure, and the summary says why.
+    assert all(s["comm_bytes_per_step"] == [None, None] for s in summaries)
+    assert all("parallelism.count_comm=false" in s["comm_bytes_note"] for s in summaries)
     # Both jobs are W&B runs of one group named after the sweep; the offline run record
     # (protobuf, strings stored verbatim) carries that group.
     (group,) = {s["wandb"]["group"] for s in summaries}

@@ -545,5 +545,18 @@ class Trainer:
             **self.memory_summary(),
             **self.activations,
             "model_state_bytes": self.model_state_bytes,
-            "comm_bytes_per_step": {k: v / steps for k, v in self.state.comm_per_step.items()},
+            **self._comm_summary(steps),
+        }
+
+    def _comm_summary(self, steps: int) -> dict:
+        """Bytes per collective kind per step; where nothing was counted because counting
+        is off (parallelism.count_comm=false) on a run that communicates, None and why,
+        never an empty dict that reads as "no communication"."""
+        sent = {k: v / steps for k, v in self.state.comm_per_step.items()}
+        if sent or self.cfg.parallelism.count_comm or self.strategy.dims.world_size == 1:
+            return {"comm_bytes_per_step": sent}
+        return {
+            "comm_bytes_per_step": None,
+            "comm_bytes_note": "not counted: parallelism.count_comm=false (counting hooks "
+            "distort step time); set it true to count the bytes of each collective",
         }
