@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from helpers import (
     assert_close_weights,
     compose_config,
@@ -135,6 +136,20 @@ def test_init_from_hugging_face_checkpoint(tmp_path, text_corpus, cache_dir):
     )
     # The first step's loss is the checkpoint's: near chance for its random 257-way init.
     assert train_losses(out)[1] == pytest.approx(math.log(257), rel=0.05)
+    # What the run builds from model.init_from computes the checkpoint's logits (a run that
+    # ignored the checkpoint would still start near chance, so the loss alone proves little).
+    from llm.models import materialize_from
+    from llm.run import build_model_for
+
+    cfg = compose_config(
+        small_run_overrides(tmp_path / "again", text_corpus, cache_dir, f"model.init_from={hf_dir}")
+    )
+    meta, weights = build_model_for(cfg, 257)
+    ours = materialize_from(meta, weights, torch.device("cpu")).eval()
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    batch = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(batch), hf(batch).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
