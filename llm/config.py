@@ -38,7 +38,8 @@ class ModelConfig:
 
     name: str = "gpt2-tiny"
     init_from: str | None = None  # a local Hugging Face checkpoint directory to load weights from
-    vocab_size: int | None = None  # None: the tokenizer's vocabulary size
+    # None: the tokenizer's vocabulary size; a published shape's conf/model/*.yaml sets its own.
+    vocab_size: int | None = None
     max_seq_len: int | None = None
     d_model: int | None = None
     n_layers: int | None = None

@@ -63,9 +63,24 @@ def model_args_for(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
     )
 
 
+def check_vocab(cfg: Config, args: ModelArgs) -> None:
+    """Refuse a model.vocab_size (a published shape's config sets it) smaller than the
+    tokenizer's where that is known from the config (byte, bpe): the run would refuse it
+    once the tokenizer is built (llm.run), after the data is prepared."""
+    if cfg.model.init_from is not None or cfg.data.tokenizer not in ("byte", "bpe"):
+        return
+    tokens = tokenizer_vocab_size(cfg)
+    if args.vocab_size < tokens:
+        raise ConfigError(
+            f"model vocab_size={args.vocab_size} is smaller than the tokenizer's {tokens}; "
+            "set model.vocab_size or use another data.tokenizer"
+        )
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Refuse impossible combinations. ``world_size`` is known under torchrun/Slurm."""
     args = model_args_for(cfg)
+    check_vocab(cfg, model_args_for(cfg, tokenizer_vocab_size(cfg)))
     if cfg.data.seq_len > args.max_seq_len and cfg.model.init_from is None:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds model {cfg.model.name}'s max_seq_len="

@@ -1,5 +1,6 @@
 """The estimator (python -m llm.estimate): model states equal to what strategies hold,
-the ZeRO paper's worked example, DeepSpeed's own estimators, and the plan."""
+the ZeRO paper's worked example, DeepSpeed's own estimators beside ours, the published
+shapes' vocabularies, and the plan."""
 
 from __future__ import annotations
 
@@ -38,22 +39,149 @@ def test_zero_paper_worked_example(stage, expected_gb):
 
 @pytest.mark.parametrize("n_gpus", [8, 64])
 def test_deepspeed_own_estimators(n_gpus):
-    """DeepSpeed's estimate_zero{2,3}_model_states_mem_needs (no offload, mixed-precision
-    Adam) equal our paper figures plus the terms DeepSpeed adds: ZeRO-2 keeps an fp32
-    gradient partition beside the paper's 16-bit one (+4Φ/N); ZeRO-3 also that (+2Φ/N of
-    16-bit gradient partition over the paper's... counted: 18Φ/N against 16Φ/N) and a
-    4-byte buffer of the largest layer."""
+    """Ours for parallelism=deepspeed is the ZeRO paper's arithmetic (mixed-precision Adam,
+    K = 12): 2Φ + 14Φ/N at stage 2, 16Φ/N at stage 3. DeepSpeed 0.19.8's
+    estimate_zero{2,3}_model_states_mem_needs (no offload) count 2Φ + 18Φ/N and
+    4·L + 18Φ/N: an fp32 gradient partition more (+4Φ/N; +2Φ/N at stage 3) and a 4-byte
+    buffer of the largest layer L. At 8 GPUs ours is 0.88x theirs at stage 2. The figure
+    llm.estimate prints beside ours (llm.estimate.deepspeed_own) is DeepSpeed's own, and its
+    transcription (used where deepspeed does not import) equals it."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from llm.estimate.deepspeed_own import _transcribed, deepspeed_own
 
     phi, largest = 1_000_000_000, 50_000_000
     common = ["parallelism=deepspeed", "precision=bf16", f"estimate.gpus_per_node={n_gpus}"]
     ours2 = _estimate(*common, "parallelism.zero_stage=2", f"estimate.num_params={phi}")
+    assert ours2.total == pytest.approx(2 * phi + 14 * phi / n_gpus, abs=n_gpus)
     _, ds2 = estimate_zero2_model_states_mem_needs(phi, n_gpus, 1, cpu_offload=False)
     assert ds2 == pytest.approx(ours2.total + 4 * phi / n_gpus, abs=n_gpus)
     ours3 = _estimate(*common, "parallelism.zero_stage=3", f"estimate.num_params={phi}")
+    assert ours3.total == pytest.approx(16 * phi / n_gpus, abs=n_gpus)
     _, ds3, _ = estimate_zero3_model_states_mem_needs(phi, largest, n_gpus, 1, cpu_offload=False)
     assert ds3 == pytest.approx(ours3.total + 2 * phi / n_gpus + 4 * largest, abs=n_gpus)
+    if n_gpus == 8:
+        assert ours2.total / ds2 == pytest.approx(0.88, abs=0.005)
+    own2, own3 = deepspeed_own(2, phi, largest, n_gpus), deepspeed_own(3, phi, largest, n_gpus)
+    assert own2.source.startswith("deepspeed ")
+    assert (own2.bytes_per_gpu, own3.bytes_per_gpu) == (ds2, ds3)
+    assert deepspeed_own(1, phi, largest, n_gpus) is None
+    for opt, par in [(False, False), (True, False), (True, True)]:
+        _, ds2 = estimate_zero2_model_states_mem_needs(phi, n_gpus, 2, cpu_offload=opt)
+        assert _transcribed(2, phi, largest, n_gpus, 2, opt, par) == ds2
+        ds3 = estimate_zero3_model_states_mem_needs(
+            phi, largest, n_gpus, 2, cpu_offload=opt, cpu_offload_params=par
+        )[1]
+        assert _transcribed(3, phi, largest, n_gpus, 2, opt, par) == ds3
+
+
+def test_estimate_prints_deepspeeds_own_beside_ours(tmp_path):
+    """python -m llm.estimate parallelism=deepspeed at stage 2: both figures, and the JSON."""
+    out = tmp_path / "est.json"
+    proc = _cli(
+        tmp_path,
+        "model=gpt2-tiny",
+        "parallelism=deepspeed",
+        "parallelism.zero_stage=2",
+        "precision=bf16",
+        "estimate.gpus_per_node=8",
+        f"estimate.json={out}",
+    )
+    own = json.loads(out.read_text())["deepspeed_own"]
+    assert own["ours_bytes_per_gpu"] < own["bytes_per_gpu"]
+    assert "2Φ + 18Φ/N" in proc.stdout and "ours is 0.8" in proc.stdout
+
+
+def _cli(tmp_path, *overrides):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llm.estimate",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}/h",
+            *overrides,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "vocab", "billions"),
+    [("bloom-176b", 250880, (176.2, 176.3)), ("llama2-7b", 32000, (6.735, 6.745))],
+)
+def test_published_models_keep_their_vocabulary(model, vocab, billions):
+    """A published shape's config names its vocabulary (conf/model/*.yaml vocab_size), so
+    the estimator and the run size it, not the data tokenizer's 4,096 ids (which gave BLOOM
+    172.7B parameters and llama2-7b 6.51B); the title says which vocabulary and count."""
+    from llm.estimate.__main__ import _title, model_summary
+
+    cfg = compose_config(["logger=none", "output_dir=unused", f"model={model}"])
+    assert tokenizer_vocab_size(cfg) == 4096
+    args = model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg))
+    assert args.vocab_size == vocab
+    summary = model_summary(cfg, args)
+    assert billions[0] <= summary["n_params"] / 1e9 <= billions[1]
+    assert summary["n_params"] == num_params(args)
+    title = _title(cfg, summary)
+    assert f"vocabulary {vocab:,} (model.vocab_size)" in title
+    assert f"{summary['n_params'] / 1e9:.2f}B parameters" in title
+
+
+def test_every_published_config_names_the_registered_vocabulary():
+    """The vocab_size a conf/model/*.yaml sets is the registry's for that shape; the shapes
+    tests and benchmarks train on small tokenizers set none and follow the tokenizer."""
+    from pathlib import Path
+
+    from llm.models import MODEL_SHAPES
+
+    named = {}
+    for path in sorted((Path(__file__).parents[1] / "conf" / "model").glob("*.yaml")):
+        cfg = compose_config(["logger=none", "output_dir=unused", f"model={path.stem}"])
+        if cfg.model.vocab_size is not None:
+            named[path.stem] = cfg.model.vocab_size
+            assert cfg.model.vocab_size == MODEL_SHAPES[path.stem].vocab_size, path.stem
+    assert set(named) == {
+        "bloom-176b",
+        "gpt3-175b",
+        "megatron-1t",
+        "llama2-7b",
+        "llama3-8b",
+        "gpt2-xl",
+        "dialogpt-large",
+    }
+
+
+def test_cli_title_names_vocabulary_and_parameters(tmp_path):
+    """python -m llm.estimate model=bloom-176b: 176.28B parameters, vocabulary 250,880."""
+    out = tmp_path / "est.json"
+    proc = _cli(tmp_path, "model=bloom-176b", f"estimate.json={out}")
+    words = proc.stdout.split()
+    assert "176.28B" in words and "250,880" in words, proc.stdout[:400]
+    model = json.loads(out.read_text())["model"]
+    assert model["vocab_size"] == 250880 and model["vocab_source"] == "model.vocab_size"
+    assert 176.2e9 <= model["n_params"] <= 176.3e9
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused():
+    """model.vocab_size below the tokenizer's (known from the config for byte and bpe) is
+    refused in one line before any data is prepared, as the run refuses it once built."""
+    from llm.errors import ConfigError
+    from llm.validate import check_vocab
+
+    cfg = compose_config(
+        ["logger=none", "output_dir=unused", "model=llama2-7b", "data.vocab_size=40000"]
+    )
+    with pytest.raises(ConfigError, match="vocab_size=32000 is smaller than the tokenizer's 40000"):
+        check_vocab(cfg, model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg)))
+    unset = compose_config(["logger=none", "output_dir=unused", "data.vocab_size=8192"])
+    check_vocab(unset, model_args_for(unset, vocab_size=tokenizer_vocab_size(unset)))
 
 
 def _states_match(tmp_path, text_corpus, cache_dir, strategy, model, precision):
@@ -99,6 +227,9 @@ def test_model_states_equal_measured(tmp_path, text_corpus, cache_dir, strategy,
 
 
 def test_llama3_8b_plan_on_eight_80gb_devices():
+    """docs/recompute.md's plan, sized as python -m llm.estimate sizes it (the tokenizer's
+    vocabulary where the model names none): llama3-8b's config names 128,256, so the figures
+    are those the registry gave this test before 2026-11-26, when the command used 4,096."""
     cfg = compose_config(
         [
             "logger=none",
@@ -109,7 +240,9 @@ def test_llama3_8b_plan_on_eight_80gb_devices():
             "estimate.device_memory_gb=80",
         ]
     )
-    rows = plan(cfg, model_args_for(cfg))
+    args = model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg))
+    assert args.vocab_size == 128256
+    rows = plan(cfg, args)
     fitting = [r for r in rows if r.fits]
     assert fitting and all(r.bytes_per_gpu <= 80 * 2**30 for r in fitting)
     assert [r.step_time_s for r in fitting] == sorted(r.step_time_s for r in fitting)

@@ -27,7 +27,7 @@ from llm.memory.storage import local_shard
 from llm.models import build_model, model_args, num_params
 from llm.parallel.tensor_parallel import apply_tensor_parallel
 from llm.precision import resolve_precision
-from llm.validate import model_args_for
+from llm.validate import model_args_for, tokenizer_vocab_size
 
 GIB = 2**30
 
@@ -173,7 +173,9 @@ def _plan(model: str, nodes: int, batch: int, *extra: str):
         f"estimate.global_batch={batch}",
         *extra,
     )
-    return plan(cfg, model_args_for(cfg))
+    # As python -m llm.estimate sizes it: the tokenizer's vocabulary where the model's config
+    # names none (the published shapes' configs name theirs, docs/parallel.md's table).
+    return plan(cfg, model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg)))
 
 
 def test_plan_replicates_kv_heads_beyond_their_count():

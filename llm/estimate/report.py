@@ -24,6 +24,14 @@ def human(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+def count(n: float) -> str:
+    """A parameter count as people write it: 176.28B, 124.44M, 416.77K."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return f"{int(n)}"
+
+
 def estimate_table(est: Estimate, title: str) -> Table:
     table = Table(title=title)
     per_rank = "per rank" if est.stages is None else f"rank {est.rank} (largest stage)"

@@ -6,7 +6,10 @@ Our ZeRO's figures come from the layout the strategy itself builds
 (``llm.parallel.zero.layout.model_buckets``); FSDP2's from its dim-0 sharding (each rank's
 storage padded to ceil(rows/N) rows, the optimizer's states of the unpadded local rows);
 optimizer states from each optimizer's own declaration (``OPTIMIZERS[name].state_bytes``).
-DeepSpeed's are the ZeRO paper's (its own estimators' assumptions), not its buffers' sizes.
+DeepSpeed's are the ZeRO paper's arithmetic (``paper_states``): neither its buffers' sizes
+nor its own estimators' figures, which add an fp32 gradient partition and, at stage 3, a
+largest-layer buffer (2Φ + 18Φ/N and 4·L + 18Φ/N against our 2Φ + 14Φ/N and 16Φ/N for
+Adam; ``llm.estimate.deepspeed_own``, printed beside ours by ``python -m llm.estimate``).
 
 With tensor parallel (``parallelism.tp_size``) every figure is of the rank's local blocks
 (``tp_local_shapes``: tensor parallel's split read off its plan), sharded over the dp size

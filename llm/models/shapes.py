@@ -26,7 +26,10 @@ def _llama(**kw: Any) -> ModelArgs:
 
 
 MODEL_SHAPES: dict[str, ModelArgs] = {
-    # Test and laptop shapes; the trainer replaces vocab_size with the tokenizer's.
+    # vocab_size: runs and the estimator take the tokenizer's in its place unless the config
+    # sets model.vocab_size, as conf/model/*.yaml does for the published shapes below
+    # (not gpt2-small/medium/large or llama-1b, which tests and benchmarks train on a small
+    # tokenizer). Test and laptop shapes:
     "gpt2-tiny": _gpt2(64, 2, 4, vocab_size=4096, max_seq_len=256),
     "gpt2-mini": _gpt2(128, 4, 4, vocab_size=4096, max_seq_len=512),
     # OpenAI's GPT-2 family (Radford et al. 2019); "small" is the 124M model.
