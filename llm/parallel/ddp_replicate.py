@@ -50,6 +50,7 @@ class ReplicateDDP(FSDPStrategy):
             for root in roots:
                 for module in (*model_blocks(root), root):
                     module.set_all_reduce_hook(self.counter.all_reduce_hook)
+        self.shards = list(model.parameters())  # at rest: the dp-replicated DTensors
         self.model = model
         self._attach_pipeline(model)
         return model

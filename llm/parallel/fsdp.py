@@ -49,6 +49,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
+from llm.memory import optimizer_state_tensors
 from llm.models import WeightSource, model_blocks
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
 from llm.parallel.param_norms import summed_squares
@@ -125,6 +126,7 @@ class FSDPStrategy(SingleStrategy):
         if self.cfg.count_comm:
             for root in roots:
                 count_fsdp_collectives(root, self.counter, hsdp=self.cfg.replicate > 1)
+        self.shards = list(model.parameters())  # at rest: the sharded DTensors
         self.model = model
         self._attach_pipeline(model)
         return model
@@ -153,6 +155,20 @@ class FSDPStrategy(SingleStrategy):
             summed_squares, owners=list(range(n)), n_params=n, device=self.device, group=shard_group
         )
         return optimizer
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The sharded parameters ``wrap`` recorded (DTensors: their local shards are
+        counted), their gradients and the optimizer states. Not ``model.parameters()``:
+        while a module is unsharded FSDP2 registers its gathered parameters in place of the
+        shards (the root from its forward to the end of backward), so a read mid-step would
+        name gathered copies as params and their unreduced gradients as grads."""
+        if self.model is None:
+            return {}
+        return {
+            "params": self.shards,
+            "grads": [p.grad for p in self.shards if p.grad is not None],
+            "optimizer_states": optimizer_state_tensors(self.optimizer),
+        }
 
     @property
     def dp_replicas(self) -> int:
