@@ -92,7 +92,7 @@ def test_a_failing_section_is_reported_and_the_next_one_runs(tmp_path, monkeypat
 
 
 def _fake_run(status="ok", rows=({"x": 1},)):
-    def run_section(section, dry, limit, log):
+    def run_section(section, dry, limit, log, earlier_rows=None):
         result = {"title": section.name, "shapes": "-", "columns": ["x"], "rows": list(rows),
                   "goals": [], "notes": []}  # fmt: skip
         return status, 1.0, result
@@ -115,6 +115,70 @@ def test_a_record_of_another_mode_is_not_joined(tmp_path, monkeypatch):
     (tmp_path / "gpu_pass.json").write_text(json.dumps(record))
     runner.main(["--part", "2", "--out", str(tmp_path), "--dry"])
     assert {e["part"] for e in load(tmp_path)["sections"].values()} == {2}
+
+
+def _dry_attention(out: Path, *resume: Path) -> dict:
+    argv = ["--dry", "--only", "attention", "--out", str(out)]
+    assert runner.main(argv + [a for d in resume for a in ("--resume", str(d))]) == 0
+    return load(out)["sections"]["attention"]
+
+
+def _key(row: dict) -> tuple:
+    return row["backend"], row["head_dim"], row["seq_len"], row["docs"]
+
+
+def test_resume_keeps_an_earlier_calls_attention_rows_and_measures_only_the_rest(tmp_path):
+    first = _dry_attention(tmp_path / "first")["result"]["rows"]
+    # The earlier call ran out of time after all but its last row.
+    cut = load(tmp_path / "first")
+    cut["sections"]["attention"]["result"]["rows"] = first[:-1]
+    (tmp_path / "first" / "gpu_pass.json").write_text(json.dumps(cut))
+    entry = _dry_attention(tmp_path / "second", tmp_path / "first")
+    rows = entry["result"]["rows"]
+    assert sorted(map(_key, rows)) == sorted(map(_key, first))
+    assert [r.get("earlier", False) for r in rows] == [True] * (len(first) - 1) + [False]
+    assert _key(rows[-1]) == _key(first[-1])
+    assert f"{len(first) - 1} rows kept" in " ".join(entry["result"]["notes"])
+    assert entry["command"].endswith(f"--resume {tmp_path / 'first'}")
+
+
+def test_resume_refuses_a_record_of_another_device_or_a_missing_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "run_section", _fake_run())
+    runner.main(["--part", "1", "--out", str(tmp_path / "gpu"), "--dry"])
+    record = load(tmp_path / "gpu")
+    record["dry"], record["env"]["device"] = False, "NVIDIA H200"
+    (tmp_path / "gpu" / "gpu_pass.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="from NVIDIA H200, not this CPU"):
+        runner.main(["--dry", "--out", str(tmp_path / "o"), "--resume", str(tmp_path / "gpu")])
+    with pytest.raises(SystemExit, match=r"no gpu_pass\.json there"):
+        runner.main(["--dry", "--out", str(tmp_path / "o"), "--resume", str(tmp_path / "none")])
+
+
+def test_resumed_cuda_tests_that_passed_are_not_run_again(tmp_path, monkeypatch):
+    from benchmarks.gpu_pass import gpu_tests
+
+    ids = ["tests/a.py::test_one", "tests/a.py::test_two"]
+    monkeypatch.setattr(gpu_tests, "_collect", lambda: [{"test": i} for i in ids])
+    earlier = [{"test": ids[0], "outcome": "passed", "message": ""},
+               {"test": ids[1], "outcome": "failed", "message": "boom"}]  # fmt: skip
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    monkeypatch.setenv("GPU_PASS_EARLIER_JSON", str(tmp_path / "earlier.json"))
+    started = []
+
+    class Pytest:
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+            self.stdout = iter([f"{ids[1]} PASSED\n"])
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(gpu_tests.subprocess, "Popen", Pytest)
+    rows = {r["test"]: r for r in gpu_tests._run_tests()}
+    # The passed test is deselected and kept; the failed one runs again.
+    assert started[0][-2:] == ["--deselect", ids[0]]
+    assert rows[ids[0]]["outcome"] == "passed" and rows[ids[0]]["earlier"]
+    assert rows[ids[1]]["outcome"] == "passed" and "earlier" not in rows[ids[1]]
 
 
 def test_limits_scale_and_override(tmp_path):

@@ -1,9 +1,12 @@
-"""``python -m benchmarks.gpu_pass [--part 1|2|all] [--out DIR] [--dry] [--only NAMES]``
+"""``python -m benchmarks.gpu_pass [--part 1|2|all] [--out DIR] [--dry] [--only NAMES]
+[--resume DIR ...]``
 
 Runs each section in its own process under its time limit, never stopping at a failure,
 and rewrites DIR/gpu_pass.json and gpu_pass.md after every section (a pass cut short keeps
 what finished). A second part run into the same DIR joins the first's record. Every
-section's output goes to DIR/gpu_pass.log. Exit status 1 when a section failed or timed
+section's output goes to DIR/gpu_pass.log. ``--resume`` names earlier records of the same
+device: the sections that sweep (attention, the CUDA tests) keep their rows and measure only
+the rest, so a short call finishes what an earlier one ran out of time for. Exit status 1 when a section failed or timed
 out; goals missed are reported, not failures.
 """
 
@@ -19,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.gpu_pass.common import LIMIT_ENV, PARTIAL_ENV, environment
+from benchmarks.gpu_pass.common import EARLIER_ENV, LIMIT_ENV, PARTIAL_ENV, environment
 from benchmarks.gpu_pass.report import LOG_NAME, load, markdown, save
 from benchmarks.gpu_pass.sections import DRY_LIMIT_S, Section, selected
 
@@ -36,17 +39,50 @@ def _child_env(limit: float, partial: Path) -> dict:
     return env
 
 
-def run_section(section: Section, dry: bool, limit: float, log) -> tuple[str, float, dict | None]:
+def earlier(records: list[dict], name: str) -> list[dict]:
+    """Section ``name``'s rows in the earlier records, oldest first."""
+    rows = []
+    for record in records:
+        result = record["sections"].get(name, {}).get("result") or {}
+        rows += result.get("rows", [])
+    return rows
+
+
+def resumed(dirs: list[str], env: dict, dry: bool) -> list[dict]:
+    """The records ``--resume`` names, refused in one line where one is missing or comes
+    from another device or mode (its figures would mix machines)."""
+    records = []
+    for d in dirs:
+        record = load(Path(d))
+        if not record["sections"]:
+            raise SystemExit(f"--resume {d}: no gpu_pass.json there; name a pass's --out folder")
+        if record.get("env", {}).get("device") != env["device"] or record.get("dry") != dry:
+            raise SystemExit(
+                f"--resume {d}: its record is from {record.get('env', {}).get('device')}"
+                f"{' (dry)' if record.get('dry') else ''}, not this {env['device']}"
+                f"{' (dry)' if dry else ''}; resume only a record of the same device and mode"
+            )
+        records.append(record)
+    return records
+
+
+def run_section(
+    section: Section, dry: bool, limit: float, log, earlier_rows: list[dict] | None = None
+) -> tuple[str, float, dict | None]:
     """(status, seconds, result) of one section run in a fresh process group."""
     with tempfile.TemporaryDirectory() as tmp:
         out_json, partial = Path(tmp) / "result.json", Path(tmp) / "partial.json"
+        env = _child_env(limit, partial)
+        if earlier_rows:
+            (Path(tmp) / "earlier.json").write_text(json.dumps(earlier_rows))
+            env[EARLIER_ENV] = str(Path(tmp) / "earlier.json")
         cmd = [sys.executable, "-m", "benchmarks.gpu_pass.section", section.module]
         cmd += ["--json", str(out_json)] + (["--dry"] if dry else [])
         log.write(f"\n===== {section.name} (limit {limit} s) =====\n")
         log.flush()
         start = time.monotonic()
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env=_child_env(limit, partial), stdout=log, stderr=subprocess.STDOUT,
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
         try:
@@ -77,6 +113,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--limit", action="append", default=[], metavar="SECTION=SECONDS",
         help="one section's time limit in seconds (repeatable; overrides --limit-scale)",
     )  # fmt: skip
+    p.add_argument(
+        "--resume", action="append", default=[], metavar="DIR",
+        help="an earlier record of this device whose attention rows and passed tests are kept",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -98,22 +138,25 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
+    records = resumed(a.resume, env, a.dry)
     record = load(out)
     # A record from another device or mode is not joined: its figures would mix machines.
     if record.get("env", {}).get("device") != env["device"] or record.get("dry") != a.dry:
         record = {"sections": {}}
     record.update(env=env, dry=a.dry)
-    dry_flag = " --dry" if a.dry else ""
+    flags = (" --dry" if a.dry else "") + "".join(f" --resume {d}" for d in a.resume)
     with (out / LOG_NAME).open("a") as log:
         for section in sections:
             print(f"gpu pass: {section.name} (part {section.part}) ...", flush=True)
-            status, seconds, result = run_section(section, a.dry, limit[section.name], log)
+            status, seconds, result = run_section(
+                section, a.dry, limit[section.name], log, earlier(records, section.name)
+            )
             record["sections"][section.name] = {
                 "part": section.part,
                 "status": status,
                 "seconds": seconds,
                 "dry": a.dry,
-                "command": f"python -m benchmarks.gpu_pass --only {section.name}{dry_flag}",
+                "command": f"python -m benchmarks.gpu_pass --only {section.name}{flags}",
                 "env": env,
                 "result": result,
             }

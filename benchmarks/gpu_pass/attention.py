@@ -19,7 +19,15 @@ import time
 
 import torch
 
-from benchmarks.gpu_pass.common import Goal, Result, checkpoint, deadline, device, time_ms
+from benchmarks.gpu_pass.common import (
+    Goal,
+    Result,
+    checkpoint,
+    deadline,
+    device,
+    earlier_rows,
+    time_ms,
+)
 from llm.attention import Documents, attention, check_kernel
 from llm.errors import ConfigError
 
@@ -232,12 +240,21 @@ def _result(rows: list[dict], notes: list[str], skipped: list[str], dry: bool) -
     )  # fmt: skip
 
 
+def _key(row: dict) -> tuple:
+    return row["backend"], row["head_dim"], row["docs"], row["seq_len"]
+
+
 def run(dry: bool) -> Result:
     s, dev = (DRY if dry else GPU), device(dry)
     stop_at = deadline(reserve_s=15)  # a row takes seconds once its kernel is compiled
-    rows, notes, skipped, refused = [], [], [], {}
+    kept = {_key(r): r for r in earlier_rows()}  # a later record's row replaces an earlier's
+    rows, notes, skipped, refused = list(kept.values()), [], [], {}
+    if kept:
+        notes.append(f"{len(kept)} rows kept from an earlier call on this device (--resume)")
     accuracy = Accuracy(s, dev)
     for name, d, docs, t in plan(s):
+        if (name, d, docs, t) in kept:
+            continue
         setting = f"{name}, D={d}, {'documents' if docs else 'causal'}"
         if (name, d, docs) not in refused:
             refused[name, d, docs] = why = refusal(name, d, docs, s, dev)

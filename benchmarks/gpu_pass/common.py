@@ -52,6 +52,18 @@ def device(dry: bool) -> torch.device:
 
 LIMIT_ENV = "GPU_PASS_SECTION_LIMIT_S"
 PARTIAL_ENV = "GPU_PASS_PARTIAL_JSON"
+EARLIER_ENV = "GPU_PASS_EARLIER_JSON"
+
+
+def earlier_rows() -> list[dict]:
+    """The rows an earlier call on the same device already measured for this section (the
+    runner's ``--resume``, passed in GPU_PASS_EARLIER_JSON); empty without one. A section
+    that sweeps keeps them and measures only the rest."""
+    path = os.environ.get(EARLIER_ENV)
+    if not path:
+        return []
+    with open(path) as f:
+        return [{**row, "earlier": True} for row in json.load(f)]
 
 
 def checkpoint(result: Result) -> None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.gpu_pass.common import Goal, Result, checkpoint
+from benchmarks.gpu_pass.common import Goal, Result, checkpoint, earlier_rows
 
 REPO = Path(__file__).resolve().parents[2]
 PYTEST = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider"]
@@ -24,11 +24,21 @@ SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+
 
 def _run_tests() -> list[dict]:
     """Run the tests, reading pytest's lines as they come, so that a section cut short by
-    its time limit keeps every test that finished; the rest stay "not run"."""
+    its time limit keeps every test that finished; the rest stay "not run". A test an
+    earlier call on this device passed (``--resume``) keeps its row and is not run again."""
     rows = {r["test"]: {**r, "outcome": "not run"} for r in _collect()}
+    passed = {
+        r["test"]: {**r, "message": "passed in an earlier call on this device"}
+        for r in earlier_rows()
+        if r["outcome"] == "passed" and r["test"] in rows
+    }
+    rows.update(passed)
+    if len(passed) == len(rows):
+        return list(rows.values())
+    deselect = [arg for test in passed for arg in ("--deselect", test)]
     proc = subprocess.Popen(
-        [*PYTEST, "-v", "-rA"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
+        [*PYTEST, "-v", "-rA", *deselect], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     for line in proc.stdout:
         print(line, end="", flush=True)
