@@ -136,8 +136,8 @@ def fmt(value, spec: str = ".1f") -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, float) and value != 0 and abs(value) < 0.01:
-        return f"{value:.1e}"  # errors and small fractions keep their digits
+    if isinstance(value, float) and value != 0 and abs(value) < 1:
+        return f"{value:.2g}"  # errors and fractions keep two significant digits
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):

@@ -1,7 +1,8 @@
 """torch's FlexAttention, compiled: a fused kernel generated for the mask (causal, or a
 document BlockMask whose fully masked blocks are skipped).
 
-Compiled once per process (``torch.compile(flex_attention)``); without compile torch runs an
+Compiled once per process (``torch.compile(flex_attention)``) and again for each new shape;
+without compile, or past dynamo's recompile limit (8 shapes; torch warns), torch runs an
 unfused reference that materialises the scores. torch 2.13 has no FlexAttention backward on
 CPU: any CPU call whose inputs require grad raises (compiled or not), so on CPU it evaluates
 (forward under no_grad, compiled to C++ by inductor) and training is refused. No dropout.
