@@ -45,8 +45,8 @@ test-slurm: $(STAMP) ## the Slurm tests on a one-host cluster they start and sto
 # GPU_PY=python3 runs it with an environment of your own (a sealed GPU image) instead of .venv.
 GPU_PY ?= $(PY)
 OUT ?= outputs/gpu_pass
-gpu-pass: $(if $(filter $(PY),$(GPU_PY)),$(STAMP)) ## every GPU figure: PART=1|2 OUT=DIR (DRY=1: on CPU, tiny; RESUME=DIR: keep an earlier call's rows)
-	$(GPU_PY) -m benchmarks.gpu_pass --part $(or $(PART),all) --out $(OUT) $(if $(DRY),--dry) $(if $(RESUME),--resume $(RESUME))
+gpu-pass: $(if $(filter $(PY),$(GPU_PY)),$(STAMP)) ## every GPU figure: PART=1|2 OUT=DIR (DRY=1: on CPU, tiny; RESUME=DIR: keep an earlier call's rows but REDO=NAMES)
+	$(GPU_PY) -m benchmarks.gpu_pass --part $(or $(PART),all) --out $(OUT) $(if $(DRY),--dry) $(if $(RESUME),--resume $(RESUME)) $(if $(REDO),--redo $(REDO))
 
 gpu-publish: $(STAMP) ## the GPU pass's tables into docs/ in place of "pending": OUT="DIR [DIR ...]"
 	$(PY) -m benchmarks.gpu_pass.publish --out $(OUT)

@@ -117,9 +117,9 @@ def test_a_record_of_another_mode_is_not_joined(tmp_path, monkeypatch):
     assert {e["part"] for e in load(tmp_path)["sections"].values()} == {2}
 
 
-def _dry_attention(out: Path, *resume: Path) -> dict:
+def _dry_attention(out: Path, resume: Path | None = None, *more: str) -> dict:
     argv = ["--dry", "--only", "attention", "--out", str(out)]
-    assert runner.main(argv + [a for d in resume for a in ("--resume", str(d))]) == 0
+    assert runner.main(argv + (["--resume", str(resume)] if resume else []) + list(more)) == 0
     return load(out)["sections"]["attention"]
 
 
@@ -140,6 +140,12 @@ def test_resume_keeps_an_earlier_calls_attention_rows_and_measures_only_the_rest
     assert _key(rows[-1]) == _key(first[-1])
     assert f"{len(first) - 1} rows kept" in " ".join(entry["result"]["notes"])
     assert entry["command"].endswith(f"--resume {tmp_path / 'first'}")
+    # --redo measures one backend's kept rows again (a kernel fixed since), the rest kept.
+    redo = first[0]["backend"]
+    again = _dry_attention(tmp_path / "third", tmp_path / "first", "--redo", redo)
+    assert {_key(r): r.get("earlier", False) for r in again["result"]["rows"]} == {
+        _key(r): r["backend"] != redo and r is not first[-1] for r in first
+    }
 
 
 def test_resume_refuses_a_record_of_another_device_or_a_missing_one(tmp_path, monkeypatch):

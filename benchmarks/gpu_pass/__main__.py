@@ -6,7 +6,8 @@ and rewrites DIR/gpu_pass.json and gpu_pass.md after every section (a pass cut s
 what finished). A second part run into the same DIR joins the first's record. Every
 section's output goes to DIR/gpu_pass.log. ``--resume`` names earlier records of the same
 device: the sections that sweep (attention, the CUDA tests) keep their rows and measure only
-the rest, so a short call finishes what an earlier one ran out of time for. Exit status 1 when a section failed or timed
+the rest, so a short call finishes what an earlier one ran out of time for; ``--redo``
+names the backends (or tests) whose kept rows are measured again. Exit status 1 when a section failed or timed
 out; goals missed are reported, not failures.
 """
 
@@ -39,12 +40,13 @@ def _child_env(limit: float, partial: Path) -> dict:
     return env
 
 
-def earlier(records: list[dict], name: str) -> list[dict]:
-    """Section ``name``'s rows in the earlier records, oldest first."""
+def earlier(records: list[dict], name: str, redo: set[str]) -> list[dict]:
+    """Section ``name``'s rows in the earlier records, oldest first, less those whose first
+    column (attention's backend, a test's id) ``redo`` names: a kernel fixed since."""
     rows = []
     for record in records:
         result = record["sections"].get(name, {}).get("result") or {}
-        rows += result.get("rows", [])
+        rows += [r for r in result.get("rows", []) if r.get(result["columns"][0]) not in redo]
     return rows
 
 
@@ -117,6 +119,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--resume", action="append", default=[], metavar="DIR",
         help="an earlier record of this device whose attention rows and passed tests are kept",
     )  # fmt: skip
+    p.add_argument(
+        "--redo", default="", metavar="NAMES",
+        help="comma list: --resume's rows of these backends (or tests) are measured again",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -144,12 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     if record.get("env", {}).get("device") != env["device"] or record.get("dry") != a.dry:
         record = {"sections": {}}
     record.update(env=env, dry=a.dry)
+    redo = {n.strip() for n in a.redo.split(",") if n.strip()}
     flags = (" --dry" if a.dry else "") + "".join(f" --resume {d}" for d in a.resume)
+    flags += f" --redo {a.redo}" if redo else ""
     with (out / LOG_NAME).open("a") as log:
         for section in sections:
             print(f"gpu pass: {section.name} (part {section.part}) ...", flush=True)
             status, seconds, result = run_section(
-                section, a.dry, limit[section.name], log, earlier(records, section.name)
+                section, a.dry, limit[section.name], log, earlier(records, section.name, redo)
             )
             record["sections"][section.name] = {
                 "part": section.part,
