@@ -1,6 +1,7 @@
 """ZeRO's model-state memory and communication per rank (Rajbhandari et al., 2019), for ddp,
-our zero1-3, FSDP2 and DeepSpeed stages 1-3: the peak's params + grads + optimizer states on
-rank 0 against 16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N; the collectives' payload per step
+our zero1-3, FSDP2 and DeepSpeed stages 1-3: the most params, the most grads and the most
+optimizer states rank 0 held at any moment of its step, summed, against 16Φ, 4Φ + 12Φ/N,
+2Φ + 14Φ/N, 16Φ/N (the step's peak beside them, with its phase, as information); the collectives' payload per step
 against 2Φ (stages 0-2) and 3Φ (stage 3); and the paper's Figure 1 example from our
 estimator."""
 
@@ -19,8 +20,9 @@ from llm.precision import resolve_precision
 SOURCE = "Rajbhandari et al., 2019, arXiv:1910.02054 (docs/references.md)"
 MEMORY_TOLERANCE = 0.25  # bounded extras the paper does not count: docs/zero.md names them
 PEAK_MAPPING = (
-    "rank 0's peak step (summary.json memory_peak[0]): params + grads + optimizer_states, "
-    "bytes / Φ (Φ = n_params)"
+    "rank 0's highest step (summary.json memory_peak[0]): params_max + grads_max + "
+    "optimizer_states_max, the most of each held at any moment of the step, bytes / Φ "
+    "(Φ = n_params)"
 )
 CLAIMS = {
     c.key: c
@@ -108,12 +110,16 @@ def formula_phi(stage_: int, n: int) -> float:
     return replicated + partitioned / n
 
 
-def peak_states_phi(job: Job) -> float | None:
+STATES = ("params", "grads", "optimizer_states")
+
+
+def most_states_phi(job: Job) -> float | None:
+    """The most of each model state rank 0 held at any moment of its step, summed, in Φ:
+    what the formula counts, whenever in the step each part is largest."""
     if job.failed:
         return None
     peak = job.summary["memory_peak"][0]
-    states = peak["params"] + peak["grads"] + peak["optimizer_states"]
-    return states / job.summary["n_params"]
+    return sum(peak[f"{k}_max"] for k in STATES) / job.summary["n_params"]
 
 
 def steady_states_phi(job: Job) -> float | None:
@@ -135,21 +141,28 @@ def memory_table(jobs: list[Job]) -> Table:
         s, n = stage(j), ranks(j)
         claim = CLAIMS[f"stage{s}_memory"]
         setting = f"{strategy_label(j)}, N={n} (stage {s})"
-        rows.append(compare(claim, setting, peak_states_phi(j), formula_phi(s, n), "Φ"))
+        rows.append(compare(claim, setting, most_states_phi(j), formula_phi(s, n), "Φ"))
     return Table(
-        "Model states per rank at the peak",
+        "Model states per rank, the most of each held in the step",
         COMPARISON_COLUMNS,
         rows,
-        note="ours: params + grads + optimizer states of rank 0's peak step, in Φ "
-        "(bytes / n_params); paper: the stage's formula at this N.",
+        note="ours: the most params + the most grads + the most optimizer states rank 0 "
+        "held at any moment of its highest step, in Φ (bytes / n_params); paper: the "
+        "stage's formula at this N. The step peak's own states are in the next table.",
     )
+
+
+BREAKDOWN_COLUMNS = (
+    *("strategy", "N", "Φ", "most params", "most grads", "most optimizer states"),
+    *("params at peak", "grads at peak", "optimizer states at peak", "steady state", "peak phase"),
+)
 
 
 def breakdown_table(jobs: list[Job]) -> Table:
     rows = []
     for j in jobs:
         if j.failed:
-            rows.append((strategy_label(j), ranks(j), "-", "-", "-", "-", "-", "failed"))
+            rows.append((strategy_label(j), ranks(j), *["-"] * 8, "failed"))
             continue
         peak = j.summary["memory_peak"][0]
         phi = j.summary["n_params"]
@@ -158,17 +171,20 @@ def breakdown_table(jobs: list[Job]) -> Table:
                 strategy_label(j),
                 ranks(j),
                 fmt(phi),
-                *(fmt(peak[k] / phi) for k in ("params", "grads", "optimizer_states")),
+                *(fmt(peak[f"{k}_max"] / phi) for k in STATES),
+                *(fmt(peak[k] / phi) for k in STATES),
                 fmt(steady_states_phi(j)),
                 peak["phase"],
             )
         )
     return Table(
-        "Peak by category (Φ)",
-        ("strategy", "N", "Φ", "params", "grads", "optimizer states", "steady state", "peak phase"),
+        "By category (Φ): the most held in the step, and at the step's peak",
+        BREAKDOWN_COLUMNS,
         rows,
-        note="steady state: model_state_bytes after a step (what the strategy holds between "
-        "steps); the peak adds buckets in flight and stage 3's gathered blocks.",
+        note="most: the largest bytes of that category at any moment of the step (at the "
+        "end of backward for gradients, when the strategy has made them); at peak: at the "
+        "moment of the step's highest total, which may fall before gradients exist; steady "
+        "state: model_state_bytes after a step (what the strategy holds between steps).",
     )
 
 
@@ -204,9 +220,9 @@ def plots(jobs: list[Job]) -> dict:
         group = [j for j in jobs if ranks(j) == n]
         labels = [strategy_label(j) for j in group]
         x = range(len(group))
-        ours = [peak_states_phi(j) or 0.0 for j in group]
+        ours = [most_states_phi(j) or 0.0 for j in group]
         paper = [formula_phi(stage(j), n) for j in group]
-        ax.bar([i - 0.2 for i in x], ours, 0.4, label="ours (peak model states)")
+        ax.bar([i - 0.2 for i in x], ours, 0.4, label="ours (most of each model state)")
         ax.bar([i + 0.2 for i in x], paper, 0.4, label="paper formula")
         for i, j in enumerate(group):
             if j.failed:

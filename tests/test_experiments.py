@@ -162,8 +162,18 @@ def _rows(tables, title):
 PHI = 1000
 
 
-def _zero_summary(params, grads, states, comm):
-    peak = {"params": params, "grads": grads, "optimizer_states": states, "phase": "backward"}
+def _zero_summary(params, grads, states, comm, grads_at_peak=None):
+    """A run whose step holds at most ``params``, ``grads`` and ``states`` bytes; its step
+    peak holds ``grads_at_peak`` of the gradients (all of them unless given)."""
+    peak = {
+        "params": params,
+        "grads": grads if grads_at_peak is None else grads_at_peak,
+        "optimizer_states": states,
+        "phase": "backward" if grads_at_peak is None else "forward",
+        "params_max": params,
+        "grads_max": grads,
+        "optimizer_states_max": states,
+    }
     return {
         "n_params": PHI,
         "precision": "bf16",
@@ -210,9 +220,25 @@ def test_zero_memory_report_verdicts(tmp_path):
         cfg("deepspeed", 2, 2),
         error="error: the rank died",
     )
+    # zero2 at N=4 whose gradients are not partitioned (2Φ of bf16 on every rank): 7Φ
+    # against 2Φ + 14Φ/4 = 5.5Φ does not hold, though its step peak (in the forward,
+    # before any gradient) holds 5Φ and would have.
+    _job(
+        sweep,
+        3,
+        ["parallelism=zero2", "launcher.nproc_per_node=4"],
+        cfg("zero2", 4),
+        _zero_summary(2 * PHI, 2 * PHI, 3 * PHI, {"all_reduce": 4 * PHI}, grads_at_peak=0),
+    )
     tables = experiment_module("zero_memory").report(load_jobs(sweep))
-    memory = _rows(tables, "Model states per rank at the peak")
+    memory = _rows(tables, "Model states per rank, the most of each held in the step")
     assert [r[-1] for r in memory[:2]] == [HOLDS, DOES_NOT_HOLD]
+    assert memory[3][2:4] == ("7Φ", "5.5Φ") and memory[3][-1] == DOES_NOT_HOLD
+    by_category = _rows(
+        tables, "By category (Φ): the most held in the step, and at the step's peak"
+    )
+    assert by_category[3][3:10] == ("2", "2", "3", "2", "0", "3", "7")
+    assert by_category[3][-1] == "forward"
     assert memory[1][2:5] == ("16Φ", "8Φ", "2.00")
     assert memory[2][-1].startswith(NOT_COMPARABLE) and "failed" in memory[2][-1]
     assert "stage 2" in memory[2][1]  # deepspeed's stage read from parallelism.zero_stage
@@ -377,7 +403,8 @@ def test_parallel_strategies_report_verdicts(tmp_path):
     )
     tables = experiment_module("parallel_strategies").report(load_jobs(sweep))
     memory = _rows(tables, "Memory saving against DDP")
-    assert [r[-1] for r in memory[:2]] == [HOLDS, HOLDS]
+    assert memory[0][:3] == ("baseline", "ddp, N=4", f"{16 * PHI:,} B")
+    assert memory[0][-1].startswith("baseline") and memory[1][-1] == HOLDS
     assert memory[1][2] == "0.65625"
     assert memory[2][-1].startswith(NOT_COMPARABLE)
     assert [r[:3] for r in memory[3:]] == [

@@ -90,6 +90,28 @@ def test_most_activations_are_kept_apart_from_the_peak(setup):
     assert tracker.by_phase["optimizer_step"]["activations_max"] == 0
 
 
+def test_most_grads_are_kept_when_the_peak_falls_before_any_gradient(setup):
+    """A forward temporary sets the step's peak before backward makes the gradient, and
+    the optimizer frees it (set_to_none): the peak holds no gradient, grads_max holds it."""
+    weight, opt, tracker = setup
+    with tracker.step(tracked=True):
+        big = torch.ones(64 * N)  # the forward's temporary: the step's highest total
+        del big
+        loss = (weight * 2).sum()
+        tracker.phase("backward")
+        tracker.watch_backward(loss)
+        loss.backward()
+        tracker.phase("optimizer_step")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    peak = tracker.last_step
+    assert peak["phase"] == "forward" and peak["grads"] == 0
+    assert peak["grads_max"] == 4 * N
+    assert peak["optimizer_states_max"] == 4 * N  # the momentum buffer the step made
+    assert peak["params_max"] == 4 * N
+    assert tracker.by_phase["forward"]["grads_max"] == 0
+
+
 def test_activations_are_released_after_backward(setup):
     weight, opt, tracker = setup
     _step(weight, opt, tracker)

@@ -103,9 +103,10 @@ class LiveStorages:
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.attention = 0  # bytes of saved storages attention saved (part of activations)
         self.current = 0
-        # The most activation bytes live at once since the tracker last set it: a pipeline
-        # stage holds its most activations at another moment than its highest total.
-        self.activations_high = 0
+        # The most bytes of each category live at once since the tracker last set it: a
+        # pipeline stage holds its most activations, and a strategy its most gradients, at
+        # other moments than its highest total.
+        self.high = dict.fromkeys(CATEGORIES, 0)
         self._resize = None
 
     def nbytes(self, storage: torch.UntypedStorage) -> int:
@@ -144,8 +145,8 @@ class LiveStorages:
             self.attention += delta if entry.attention else 0
             self.totals[entry.category] += delta
             self.current += delta
-            if delta > 0 and entry.category == "activations":
-                self._note_activations()
+            if delta > 0:
+                self._note(entry.category)
             if delta > 0 and self.current > self.threshold:
                 self.on_high()
 
@@ -168,11 +169,10 @@ class LiveStorages:
         self.totals[entry.category] -= entry.size
         self.totals[category] += entry.size
         entry.category = category
-        if category == "activations":
-            self._note_activations()
+        self._note(category)
 
-    def _note_activations(self) -> None:
-        self.activations_high = max(self.activations_high, self.totals["activations"])
+    def _note(self, category: str) -> None:
+        self.high[category] = max(self.high[category], self.totals[category])
 
     def remeasure(self) -> None:
         """Sizes may have changed while nothing was tracked (storages resized in place)."""

@@ -20,9 +20,13 @@ and records the breakdown whenever it sets a new high. Categories:
   if attention saved it at all; not a category of its own, so not added into the total.
 - other: everything else registered: communication buckets, temporaries, gathered
   parameters the strategy does not list as state, gradients of activations.
-- activations_max: the most activation bytes live at any moment of the phase (of the
-  step, in ``last_step``), which need not be the moment of the highest total: a pipeline
-  stage's gradients outgrow its in-flight activations. Not added into the total either.
+- params_max, grads_max, optimizer_states_max, activations_max, other_max: the most bytes of
+  that category live at any moment of the phase (of the step, in ``last_step``), which need
+  not be the moment of the highest total: a pipeline stage's gradients outgrow its in-flight
+  activations, and a ZeRO-2 step's highest total can fall in the forward, before any
+  gradient exists. State categories are read when the state is classified (at phase
+  boundaries and the end of backward), so a gradient counts once its backward has made it.
+  Not added into the total either.
 
 The bookkeeping of live storages (sizes re-read after in-place resizes, CUDA block
 rounding, saved-tensor hooks) is ``llm.memory.live.LiveStorages``; this module opens and
@@ -49,7 +53,7 @@ from llm.memory.process import cuda_peak_bytes
 
 MODES = ("logged", "every_step", "off")
 LABELLED = "activations_attention"  # the peak's key for the part attention saved
-MOST_ACTIVATIONS = "activations_max"  # the peak's key for the phase's most activations
+MOST = {c: f"{c}_max" for c in CATEGORIES}  # the peak's keys for each category's most bytes
 __all__ = ["CATEGORIES", "MODES", "PeakTracker"]
 
 StateFn = Callable[[], dict[str, list[torch.Tensor]]]
@@ -70,7 +74,7 @@ class PeakTracker:
         self._phase: str | None = None
         self._peak: tuple = ()
         self._step_peak: dict | None = None
-        self._step_activations = 0  # the most activation bytes live in the step so far
+        self._step_most = dict.fromkeys(MOST.values(), 0)  # each category's most, in the step
         self._mode = OpOutputs(self.live)
         self._open: ExitStack | None = None
         self.last_step: dict | None = None
@@ -107,7 +111,7 @@ class PeakTracker:
         if tracked:
             with self._window("forward"):
                 yield
-            self.last_step = {**self._step_peak, MOST_ACTIVATIONS: self._step_activations}
+            self.last_step = {**self._step_peak, **self._step_most}
             if self.best_step is None or self.last_step["total"] > self.best_step["total"]:
                 self.best_step = self.last_step
         else:
@@ -159,7 +163,7 @@ class PeakTracker:
     @contextmanager
     def _window(self, phase: str) -> Iterator[None]:
         self._step_peak = None
-        self._step_activations = 0
+        self._step_most = dict.fromkeys(MOST.values(), 0)
         self.live.wrap_resize()
         try:
             self.live.remeasure()
@@ -174,7 +178,7 @@ class PeakTracker:
     def _open_phase(self, name: str) -> None:
         self._phase = name
         self._refresh()
-        self.live.activations_high = self.live.totals["activations"]
+        self.live.high = dict(self.live.totals)
         self._record()
 
     def _close_phase(self) -> None:
@@ -182,7 +186,7 @@ class PeakTracker:
         peak = self._finish()
         self._phase = None
         self.live.threshold = math.inf  # no new highs recorded between phases
-        self._step_activations = max(self._step_activations, peak[MOST_ACTIVATIONS])
+        self._step_most = {k: max(v, peak[k]) for k, v in self._step_most.items()}
         if self._step_peak is None or peak["total"] > self._step_peak["total"]:
             self._step_peak = peak
         best = self.by_phase.get(peak["phase"])
@@ -207,7 +211,7 @@ class PeakTracker:
             "total": sum(totals.values()),
             "phase": phase,
             LABELLED: attention,
-            MOST_ACTIVATIONS: self.live.activations_high,
+            **{MOST[c]: self.live.high[c] for c in CATEGORIES},
         }
 
     # ---- state ---------------------------------------------------------------------
