@@ -8,8 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from experiments.report import EXPERIMENTS, publish, write_report
-from experiments.runner import SweepInterrupted, config_name, run_sweep, scales_of
+from experiments.report import EXPERIMENTS, experiment_module, publish, write_report
+from experiments.runner import (
+    SweepInterrupted,
+    config_name,
+    run_follow_ups,
+    run_sweep,
+    scales_of,
+)
 from llm.errors import ConfigError, Interrupted
 
 
@@ -41,7 +47,11 @@ def _run(name: str, args: list[str]):
             overrides.append(o)
     if name not in EXPERIMENTS:
         raise ConfigError(f"no experiment named {name}; choose one of {', '.join(EXPERIMENTS)}")
-    return run_sweep(config_name(name, scale), overrides)
+    config = config_name(name, scale)
+    sweep_dir = run_sweep(config, overrides)
+    if sweep_dir is not None:
+        run_follow_ups(experiment_module(config), config, overrides, sweep_dir)
+    return sweep_dir
 
 
 def main(argv: list[str] | None = None) -> int:

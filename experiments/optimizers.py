@@ -134,6 +134,45 @@ def best(runs: dict[float, list[Job]]) -> tuple[float, list[Job]] | None:
     return value, [j for j in seeds if _val(j) is not None]
 
 
+LR_BOUNDS = (1e-6, 1.0)  # the grid is not extended past these
+
+
+def next_lr(value: float, up: bool) -> float:
+    """The next point of the half-decade grid (1, 3, 10, 30, ... x 10^k) above or below."""
+    exponent = math.floor(math.log10(value) + 1e-9)
+    three = value / 10**exponent > 2  # the 3 of a decade, else its 1
+    if up:
+        return float(f"{value * (10 / 3 if three else 3):.0e}")
+    return float(f"{value / (3 if three else 10 / 3):.0e}")
+
+
+def follow_up(jobs: list[Job]) -> list[list[str]]:
+    """One more grid point, at every seed, for each optimizer whose best lr is at an edge of
+    the lrs it has run: the grid grows by half-decades until its best lr is inside it (an lr
+    whose runs diverge, fail or end worse leaves the old edge inside), or reaches
+    LR_BOUNDS."""
+    out = []
+    for opt, runs in _by_optimizer_lr(jobs).items():
+        found = best(runs)
+        if found is None or len(runs) < 2:
+            continue
+        value, lrs = found[0], sorted(runs)
+        if value not in (lrs[0], lrs[-1]):
+            continue
+        candidate = next_lr(value, up=value == lrs[-1])
+        if not LR_BOUNDS[0] <= candidate <= LR_BOUNDS[1] or candidate in runs:
+            continue
+        seeds = sorted({int(j.get("train.seed", 0)) for j in jobs if name(j) == opt})
+        out.append(
+            [
+                f"optimizer={opt}",
+                f"optimizer.lr={candidate:g}",
+                f"train.seed={','.join(map(str, seeds))}",
+            ]
+        )
+    return out
+
+
 def state_per_param(job: Job) -> float | None:
     if job.failed:
         return None
@@ -216,8 +255,10 @@ def results_table(grid, bests, adamw_final) -> Table:
             "jobs",
         ),
         rows,
-        note="best lr: lowest mean final validation loss over seeds (at the grid's edge: the "
-        f"optimum may lie beyond it); tokens: the first logged step whose training loss, "
+        note="best lr: lowest mean final validation loss over seeds; the grid is extended by "
+        "half-decades while the best is at its edge, up to lr "
+        f"{LR_BOUNDS[0]:g}-{LR_BOUNDS[1]:g} (at the grid's edge: the optimum may lie beyond "
+        "it); tokens: the first logged step whose training loss, "
         f"averaged over {SMOOTHING} logged steps, is at or below AdamW's final (averaged) "
         "one; step times compare across jobs only on an otherwise idle machine.",
     )
@@ -303,7 +344,14 @@ def report(jobs: list[Job]) -> list[Table]:
         )
     return [
         results_table(grid, bests, adamw_final),
-        Table("Claims", COMPARISON_COLUMNS, rows),
+        Table(
+            "Claims",
+            COMPARISON_COLUMNS,
+            rows,
+            note="Every verdict but the state sizes depends on each optimizer's best lr: the "
+            "grid's point with the lowest mean final validation loss, the grid extended by "
+            "half-decades (follow-up sweeps) until that point is inside it.",
+        ),
         lr_table(grid),
     ]
 

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.sweep import ERROR_FILE
+from experiments.sweep import ERROR_FILE, FOLLOW_UP, load_jobs
 from llm.config import register_configs
 from llm.errors import ConfigError
 from llm.train.stop import STOP_CODES
@@ -133,6 +133,28 @@ def run_sweep(config: str, overrides: list[str]) -> Path | None:
     finally:
         sys.argv = argv
     return state.get("sweep_dir")
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def run_follow_ups(module, config: str, overrides: list[str], sweep_dir: Path) -> None:
+    """Sweeps the experiment asks for after reading its jobs (``module.follow_up(jobs)``:
+    a list of override lists, or nothing more), each into ``SWEEP/follow_up_<n>``, until it
+    asks for none. The command line's overrides stay, less the keys a follow-up sets."""
+    follow_up = getattr(module, "follow_up", None)
+    n = 0
+    while follow_up is not None and (more := follow_up(load_jobs(sweep_dir))):
+        for extra in more:
+            n += 1
+            keys = {_key(o) for o in extra}
+            kept = [o for o in overrides if _key(o) not in keys]
+            target = f"hydra.sweep.dir={sweep_dir}/{FOLLOW_UP}{n}"
+            try:
+                run_sweep(config, [*kept, *extra, target])
+            except SweepInterrupted:
+                raise SweepInterrupted(sweep_dir) from None  # the report covers the whole
 
 
 def sweep_jobs(config: str, overrides: list[str] = ()) -> list[list[str]]:

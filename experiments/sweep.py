@@ -14,7 +14,7 @@ ERROR_FILE = "error.txt"  # written by `python -m experiments run` when a job fa
 
 @dataclass
 class Job:
-    num: int
+    num: str  # the job's folder under the sweep: "17", or "follow_up_1/0"
     dir: Path
     overrides: list[str]
     config: dict
@@ -77,12 +77,12 @@ def _error(job_dir: Path) -> str | None:
     return ranks[0].read_text().strip().splitlines()[0] if ranks else None
 
 
-def load_job(job_dir: Path) -> Job:
+def load_job(job_dir: Path, num: str | None = None) -> Job:
     hydra = job_dir / ".hydra"
     summary_path = job_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return Job(
-        num=int(job_dir.name),
+        num=num or job_dir.name,
         dir=job_dir,
         overrides=_read_yaml(hydra / "overrides.yaml") or [],
         config=_read_yaml(hydra / "config.yaml") or {},
@@ -92,9 +92,22 @@ def load_job(job_dir: Path) -> Job:
     )
 
 
+FOLLOW_UP = "follow_up_"  # the sub-sweeps an experiment adds after its own (follow_up_1, ...)
+
+
 def load_jobs(sweep_dir: Path) -> list[Job]:
-    dirs = [d for d in Path(sweep_dir).iterdir() if d.is_dir() and d.name.isdigit()]
-    return [load_job(d) for d in sorted(dirs, key=lambda d: int(d.name))]
+    """The sweep's jobs, then those of its follow-up sweeps in the order they ran."""
+    sweep_dir = Path(sweep_dir)
+    follow_ups = sorted(
+        (d for d in sweep_dir.glob(f"{FOLLOW_UP}*") if d.name.removeprefix(FOLLOW_UP).isdigit()),
+        key=lambda d: int(d.name.removeprefix(FOLLOW_UP)),
+    )
+    jobs = []
+    for folder in (sweep_dir, *follow_ups):
+        dirs = [d for d in folder.iterdir() if d.is_dir() and d.name.isdigit()]
+        for d in sorted(dirs, key=lambda d: int(d.name)):
+            jobs.append(load_job(d, str(d.relative_to(sweep_dir))))
+    return jobs
 
 
 def experiment_of(sweep_dir: Path) -> str | None:

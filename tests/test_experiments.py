@@ -633,3 +633,82 @@ def test_lr_search_runs_trials_and_writes_the_best_lr(tmp_path, text_corpus):
     assert 1e-4 <= results["best_params"]["optimizer.lr"] <= 3e-2
     losses = [json.loads(p.read_text())["final_val_loss"] for p in sweep_dir.glob("*/summary.json")]
     assert len(losses) == 2 and results["best_value"] == pytest.approx(min(losses))
+
+
+def _opt_job(sweep: Path, num: int, opt: str, lr: float, seed: int, val: float | None):
+    cfg = {"optimizer": {"name": opt, "lr": lr}, "train": {"seed": seed}}
+    overrides = [f"optimizer={opt}", f"optimizer.lr={lr:g}", f"train.seed={seed}"]
+    if val is None:
+        _job(sweep, num, overrides, cfg, error="error: loss is nan at step 3")
+    else:
+        _job(sweep, num, overrides, cfg, {"final_val_loss": val, "final_train_loss": val})
+
+
+def test_the_lr_grid_grows_by_half_decades_while_the_best_is_at_an_edge(tmp_path):
+    """An optimizer best at the grid's top gets the next half-decade at every seed, one best
+    at the bottom the one below; one best inside, or whose next point diverged, gets none."""
+    sweep = _sweep(tmp_path, "optimizers")
+    runs = {  # optimizer: {lr: final val loss (None: diverged)}
+        "muon": {1e-3: 4.0, 3e-2: 3.0},  # best at the top
+        "lion": {3e-4: 3.5, 1e-3: 3.9},  # best at the bottom
+        "adamw": {1e-3: 3.5, 3e-3: 3.2, 1e-2: 3.4},  # best inside
+        "lamb": {1e-2: 3.6, 3e-2: 3.3, 1e-1: None},  # the point past its best diverged
+    }
+    num = 0
+    for opt, by_lr in runs.items():
+        for lr, val in by_lr.items():
+            for seed in (0, 1):
+                _opt_job(sweep, num, opt, lr, seed, val)
+                num += 1
+    follow_up = experiment_module("optimizers").follow_up
+    asked = follow_up(load_jobs(sweep))
+    assert asked == [
+        ["optimizer=muon", "optimizer.lr=0.1", "train.seed=0,1"],
+        ["optimizer=lion", "optimizer.lr=0.0001", "train.seed=0,1"],
+    ]
+    # The follow-up sweeps ran: muon is best inside now, lion worse below: nothing more.
+    more = sweep / "follow_up_1"
+    more.mkdir()
+    for seed in (0, 1):
+        _opt_job(more, seed, "muon", 0.1, seed, 3.4)
+        _opt_job(more, 2 + seed, "lion", 1e-4, seed, 3.8)
+    jobs = load_jobs(sweep)
+    assert [j.num for j in jobs[-4:]] == [f"follow_up_1/{i}" for i in range(4)]
+    assert follow_up(jobs) == []
+
+
+def test_follow_up_sweeps_run_until_the_experiment_asks_for_none(tmp_path, monkeypatch):
+    """Each follow-up runs into SWEEP/follow_up_<n>, with the command line's overrides less
+    the keys it sets; the loop ends when the experiment asks for nothing more."""
+    from experiments import runner
+
+    sweep = _sweep(tmp_path, "optimizers")
+    ran = []
+
+    def fake_sweep(config, overrides):
+        ran.append(overrides)
+        target = Path(overrides[-1].split("=", 1)[1])
+        _opt_job(target, 0, "muon", float(overrides[-2].split("=")[1]), 0, 3.0)
+        return target
+
+    class Experiment:
+        @staticmethod
+        def follow_up(jobs):
+            return [] if len(jobs) >= 2 else [["optimizer=muon", f"optimizer.lr={len(jobs)}"]]
+
+    monkeypatch.setattr(runner, "run_sweep", fake_sweep)
+    runner.run_follow_ups(Experiment, "optimizers", ["optimizer=adamw", "train.max_steps=5"], sweep)
+    assert ran == [
+        [
+            "train.max_steps=5",
+            "optimizer=muon",
+            "optimizer.lr=0",
+            f"hydra.sweep.dir={sweep}/follow_up_1",
+        ],
+        [
+            "train.max_steps=5",
+            "optimizer=muon",
+            "optimizer.lr=1",
+            f"hydra.sweep.dir={sweep}/follow_up_2",
+        ],
+    ]
