@@ -354,7 +354,7 @@ def test_report_logs_tables_and_images_to_the_sweeps_wandb_group(tmp_path, monke
     write_report(sweep)
     assert inits[0]["group"] == "multirun_experiments_zero_memory_x"
     assert inits[0]["mode"] == "offline" and inits[0]["job_type"] == "report"
-    assert logged["model_states_per_rank_at_the_peak"][0] == "table"
+    assert logged["model_states_per_rank__the_most_of_each_held_in_the_step"][0] == "table"
     assert logged["zero_memory"] == ("image", "zero_memory.png")
     assert logged["finished"]
 
