@@ -358,3 +358,22 @@ def test_estimate_sizes_the_tokenizers_vocabulary(capsys):
     announce_estimate(cfg, 1)
     params = 4 * num_params(model_args("gpt2-tiny", vocab_size=257))
     assert f"params {human(params)}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallelism.tp_size=2"], r"world size 1 is not divisible by tp_size\*pp_size=2"),
+        (
+            ["model=gpt2-xl", "parallelism.tp_size=2", "estimate.gpus_per_node=2"],
+            "model.n_heads=25 is not divisible by parallelism.tp_size=2",
+        ),
+    ],
+)
+def test_a_layout_the_run_would_refuse_is_refused_in_one_line(overrides, message):
+    """A world smaller than tp x pp, or a tp that splits no head evenly, crashed the
+    estimator with ZeroDivisionError; it is refused as the run refuses it."""
+    from llm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _estimate(*overrides)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from llm.config import Config
+from llm.errors import ConfigError
 from llm.estimate.activations import estimate_activations, outside_by_stage
 from llm.estimate.gathered import gathered_saved_bytes
 from llm.estimate.stages import (
@@ -19,8 +20,9 @@ from llm.estimate.stages import (
 )
 from llm.estimate.states import RankStates, model_states, paper_states
 from llm.models import build_model, freeze
+from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
-from llm.parallel.tensor_parallel import padded_vocab, tp_local_shapes
+from llm.parallel.tensor_parallel import check_tensor_parallel, padded_vocab, tp_local_shapes
 from llm.precision import PrecisionPolicy, resolve_precision
 
 GIB = 2**30
@@ -116,6 +118,11 @@ def estimate(cfg: Config, args) -> Estimate:
     """The estimate of ``cfg`` for the model shape ``args`` (llm.validate.model_args_for)."""
     e, par = cfg.estimate, cfg.parallelism
     world = world_size(cfg)
+    try:  # the layout the run would refuse, refused the same way
+        ParallelDims.from_config(par.dp_size, par.tp_size, par.pp_size, world)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (the estimate's world: estimate.nodes x gpus_per_node)") from None
+    check_tensor_parallel(args, par.tp_size, cfg.data.seq_len, par.sequence_parallel)
     # Tensor parallel pads the vocabulary to a multiple of tp, as the run does.
     args = dataclasses.replace(args, vocab_size=padded_vocab(args.vocab_size, par.tp_size))
     policy = estimate_policy(cfg.precision.name, e.device)
