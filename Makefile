@@ -31,8 +31,8 @@ train: $(STAMP) ## run the default training (small GPT, BPE, standard-library co
 test: $(STAMP) ## the fast test suite (CI runs this)
 	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
 
-test-slow: $(STAMP) ## the slow tests (longer runs, bigger shapes)
-	$(PY) -m pytest -m "slow and not gpu" $(ARGS)
+test-slow: $(STAMP) ## the slow tests (longer runs, bigger shapes); SHARD=checkpoints|parallel|training runs a third
+	files=$$($(PY) scripts/slow_shards.py $(SHARD)) && $(PY) -m pytest -m "slow and not gpu" $$files $(ARGS)
 
 test-gpu: $(STAMP) ## the CUDA tests (needs a GPU)
 	$(PY) -m pytest -m gpu $(ARGS)
