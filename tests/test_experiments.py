@@ -739,3 +739,19 @@ def test_follow_up_sweeps_run_until_the_experiment_asks_for_none(tmp_path, monke
             f"hydra.sweep.dir={sweep}/follow_up_2",
         ],
     ]
+
+
+def test_the_follow_up_sweeps_compose_and_validate():
+    """The overrides parallel_strategies' scaling sweep and the optimizers' grid extension
+    hand to Hydra compose into configs train.py accepts."""
+    scaling = experiment_module("parallel_strategies").follow_up([])
+    jobs = sweep_jobs("parallel_strategies", scaling[0])
+    assert sorted(j for job in jobs for j in job if j.startswith("launcher")) == [
+        "launcher.nproc_per_node=1",
+        "launcher.nproc_per_node=2",
+    ]
+    _dry_run("parallel_strategies", jobs, check=True)
+    extension = ["optimizer=muon", "optimizer.lr=0.1", "train.seed=0,1,2"]
+    jobs = sweep_jobs("optimizers", extension)
+    assert len(jobs) == 3  # the command line's keys replace the grid's axes
+    _dry_run("optimizers", jobs, check=True)
