@@ -33,9 +33,12 @@ def setup():
     return weight, opt, tracker
 
 
-def _step(weight, opt, tracker, temp_elems: int = 0):
+def _step(weight, opt, tracker, temp_elems: int = 0, forward_temp_elems: int = 0):
     x = torch.randn(N)  # made before the step: the tracker sees it only once saved
     with tracker.step(tracked=True):
+        if forward_temp_elems:
+            temp = torch.ones(forward_temp_elems)  # a temporary in the forward: "other"
+            del temp
         act = weight * x  # an op output saved by the next op: an activation
         loss = (act * act).sum()
         tracker.phase("backward")
@@ -91,20 +94,11 @@ def test_most_activations_are_kept_apart_from_the_peak(setup):
 
 
 def test_most_grads_are_kept_when_the_peak_falls_before_any_gradient(setup):
-    """A forward temporary sets the step's peak before backward makes the gradient, and
-    the optimizer frees it (set_to_none): the peak holds no gradient, grads_max holds it."""
+    """A forward temporary sets the step's peak before backward makes the gradient (the
+    first step: no gradient exists before it): the peak holds no gradient, grads_max holds
+    it."""
     weight, opt, tracker = setup
-    with tracker.step(tracked=True):
-        big = torch.ones(64 * N)  # the forward's temporary: the step's highest total
-        del big
-        loss = (weight * 2).sum()
-        tracker.phase("backward")
-        tracker.watch_backward(loss)
-        loss.backward()
-        tracker.phase("optimizer_step")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    peak = tracker.last_step
+    peak = _step(weight, opt, tracker, forward_temp_elems=64 * N)
     assert peak["phase"] == "forward" and peak["grads"] == 0
     assert peak["grads_max"] == 4 * N
     assert peak["optimizer_states_max"] == 4 * N  # the momentum buffer the step made
