@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from llm.config import OptimizerConfig, ParallelismConfig
@@ -25,6 +24,7 @@ from llm.models import (
     model_args,
 )
 from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.flat_shards import FlatShard
 from llm.precision import apply_precision, resolve_precision
 
 CPU = torch.device("cpu")
@@ -119,21 +119,16 @@ CASES = [
 ]
 
 
-def _full(value: torch.Tensor) -> torch.Tensor:
-    """The whole tensor behind a rank's view of it: DTensor (fsdp), ShardedTensor (our ZeRO's
+def _full(value) -> torch.Tensor:
+    """The whole tensor behind a rank's view of it: DTensor (fsdp), FlatShard (our ZeRO's
     rectangles of a flat slice), or a plain tensor."""
     if isinstance(value, DTensor):
         return value.full_tensor().detach().float()
-    if isinstance(value, ShardedTensor):
-        whole = torch.zeros(value.size(), dtype=torch.float32)
-        for shard in value.local_shards():
-            index = tuple(
-                slice(o, o + n)
-                for o, n in zip(
-                    shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
-                )
-            )
-            whole[index] = shard.tensor.detach().float()
+    if isinstance(value, FlatShard):
+        whole = torch.zeros(value.shape, dtype=torch.float32)
+        for offsets, view in value.pieces.items():
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape, strict=True))
+            whole[index] = view.detach().float()
         dist.all_reduce(whole)  # the ranks' rectangles are disjoint: the sum is the whole
         return whole
     return value.detach().float()

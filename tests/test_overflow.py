@@ -13,11 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import compose_config
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from llm.config import OptimizerConfig, ParallelismConfig, PrecisionConfig
 from llm.models import build_model, materialize, model_args
 from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.flat_shards import FlatShard
 from llm.parallel.step import overflow_checked_step
 from llm.precision import build_loss_scaler, disabled_loss_scaler, resolve_precision
 
@@ -42,9 +42,9 @@ def _step(strategy, model, x, poison: float):
 
 
 def _local(value) -> torch.Tensor:
-    """A copy of what this rank holds (DeepSpeed's checkpoint tensors are ShardedTensors)."""
-    if isinstance(value, ShardedTensor):
-        return torch.cat([s.tensor.flatten() for s in value.local_shards()])
+    """A copy of what this rank holds (DeepSpeed's checkpoint tensors are FlatShards)."""
+    if isinstance(value, FlatShard):
+        return torch.cat([torch.empty(0), *(v.flatten() for v in value.pieces.values())])
     return torch.as_tensor(value).clone()
 
 

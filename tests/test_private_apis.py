@@ -12,11 +12,6 @@ import pytest
 import torch
 
 TORCH = [
-    # ZeRO and DeepSpeed checkpoints: flat buffers exposed to DCP as sharded tensors.
-    ("torch.distributed._shard.sharded_tensor", "ShardedTensor"),
-    ("torch.distributed._shard.sharded_tensor", "Shard"),
-    ("torch.distributed._shard.sharded_tensor", "init_from_local_shards"),
-    ("torch.distributed._shard.metadata", "ShardMetadata"),
     # Our bounded checkpoint writer closes a file every checkpoint.file_mb.
     ("torch.distributed.checkpoint.filesystem", "FileSystemWriter._write_data"),
     # parallelism.replicate (HSDP-style replication with FSDP2's machinery).

@@ -233,9 +233,7 @@ class DeepSpeedStrategy:
     def state_dict(self) -> dict:
         # Sharded over ranks under ZeRO; stage 0 holds whole replicas (DCP saves one copy).
         shard = self.cfg.zero_stage > 0 and self.dims.dp_size > 1
-        state = ckpt.checkpoint_state(
-            self.engine, self.inner, self._group_names, self.dims.dp_group(), shard
-        )
+        state = ckpt.checkpoint_state(self.engine, self.inner, self._group_names, shard)
         scaler = self.scaler.state_dict()
         scaler["scale"] = self._loss_scale()
         scaler["skipped_steps"] = self.engine.skipped_steps

@@ -3,8 +3,8 @@
 DeepSpeed keeps the fp32 master weights and Adam moments as flat buffers, one slice per rank,
 cut without regard to parameter boundaries. We expose them under the keys every other
 strategy writes (``model.<name>`` and ``optimizer.state.<name>.exp_avg`` at the parameter's
-own shape, torch DCP's get_state_dict layout), each as a ShardedTensor whose local shards
-are views into DeepSpeed's buffers: DCP saves them without a gather and loads (resharding
+own shape, torch DCP's get_state_dict layout), each as a FlatShard whose rectangles are
+views into DeepSpeed's buffers: DCP saves them without a gather and loads (resharding
 from any world size or strategy) straight into place.
 
 A rank's slice of one parameter is a flat range [start, start + n) of the parameter, a few
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from llm.optim import materialize_state
-from llm.parallel.flat_shards import sharded
+from llm.parallel.flat_shards import flat_shard
 
 
 @dataclass
@@ -85,7 +85,7 @@ def optimizer_flats(engine, inner) -> list[tuple[torch.Tensor, int]]:
     return [(p, gi) for gi, g in enumerate(inner.param_groups) for p in g["params"]]
 
 
-def checkpoint_state(engine, inner, group_names: list[list[str]], group, shard: bool) -> dict:
+def checkpoint_state(engine, inner, group_names: list[list[str]], shard: bool) -> dict:
     """The model and optimizer as get_state_dict lays them out, over DeepSpeed's buffers:
     ``model.<name>`` are the fp32 masters, ``optimizer.state.<name>.<moment>`` their moments
     (views: DCP loads into them in place), scalars and param groups are copies."""
@@ -102,16 +102,15 @@ def checkpoint_state(engine, inner, group_names: list[list[str]], group, shard: 
     scalars = {"step": torch.tensor(float(first["step"]))} if "step" in first else {}
 
     def entry(f: Fragment | None, shape, key: str | None):  # key None: the master itself
-        flat = f.flat if f else any_flat
-        tensor = flat if key is None else inner.state[flat][key]
-        if not shard:
-            return f.view(tensor).view(shape)
-        return sharded(shape, f.start if f else 0, f.view(tensor) if f else None, tensor, group)
+        if f is None:  # this rank holds none of it (sharded only)
+            return flat_shard(shape, 0, None)
+        tensor = f.flat if key is None else inner.state[f.flat][key]
+        return flat_shard(shape, f.start, f.view(tensor)) if shard else f.view(tensor).view(shape)
 
     model, states = {}, {}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
-            model[name] = _frozen(p, group, shard)
+            model[name] = _frozen(p, shard)
             continue
         shape, f = getattr(p, "ds_shape", p.shape), frags[name]  # ZeRO-3 empties p.data
         model[name] = entry(f, shape, None)
@@ -127,7 +126,7 @@ def checkpoint_state(engine, inner, group_names: list[list[str]], group, shard: 
     return {"model": model, "optimizer": {"state": states, "param_groups": groups}}
 
 
-def _frozen(p: torch.nn.Parameter, group, shard: bool):
+def _frozen(p: torch.nn.Parameter, shard: bool):
     """A frozen parameter (model.freeze) has no master and no state. Stages 0-2: a whole
     replica on every rank, saved once and loaded in place. Stage 3 partitions it like the
     others, in the working dtype: rank r's [r * n, (r + 1) * n) of it, padded, is
@@ -140,7 +139,7 @@ def _frozen(p: torch.nn.Parameter, group, shard: bool):
     local = p.ds_tensor.detach().view(-1).narrow(0, 0, real)
     if not shard:
         return local.view(p.ds_shape)  # one rank holds it all
-    return sharded(p.ds_shape, start, local, p.ds_tensor, group)
+    return flat_shard(p.ds_shape, start, local)
 
 
 def restore(engine, inner, saved_optimizer: dict) -> None:

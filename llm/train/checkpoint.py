@@ -22,6 +22,7 @@ mistakes them for the run's latest.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
 from pathlib import Path
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from llm.disk import free_bytes, no_space_message, says_no_space
 from llm.dist import barrier, gather_object, global_rank, global_world_size
 from llm.errors import CheckpointError, DiskFullError
+from llm.parallel.flat_shards import FlatShardLoadPlanner, FlatShardSavePlanner
 from llm.train.bounded_writer import BoundedFileWriter
 from llm.train.checkpoint_files import (
     META,
@@ -53,10 +55,17 @@ from llm.train.checkpoint_files import (
     write_meta,
 )
 
-# One process without a process group is a supported DCP mode; its warning is noise here.
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-)
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every save and load of one process without a process group, a mode it
+    supports; the filter holds for those calls only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
 
 # DCP's CheckpointException derives from BaseException; `except Exception` misses it.
 SAVE_OR_LOAD_ERRORS = (Exception, CheckpointException)
@@ -102,7 +111,12 @@ class Checkpointer:
         barrier()
         error, records = None, {}
         try:
-            dcp.save(state, storage_writer=BoundedFileWriter(tmp, self.file_bytes))
+            with _single_process_quiet():
+                dcp.save(
+                    state,
+                    storage_writer=BoundedFileWriter(tmp, self.file_bytes),
+                    planner=FlatShardSavePlanner(),
+                )
             torch.save(rng_state(), tmp / f"rng_rank{global_rank()}.pt")
             records = records_of(own_files(tmp, global_rank()))
         except SAVE_OR_LOAD_ERRORS as exc:
@@ -260,7 +274,8 @@ class Checkpointer:
             )
         state = strategy.state_dict()  # the target layout; DCP fills it in place
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=str(path), planner=FlatShardLoadPlanner())
         except SAVE_OR_LOAD_ERRORS as exc:  # DCP raises many kinds; all mean unusable
             raise CheckpointError(self._unusable(path, describe(exc))) from exc
         strategy.load_state_dict(state)

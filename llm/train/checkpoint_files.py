@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from llm.checksum import file_record, mismatch
+from llm.parallel.flat_shards import FlatShard
 
 META = "meta.json"
 TRAINER = "trainer.pt"
@@ -103,15 +103,13 @@ def file_problem(folder: Path, name: str, record: dict | int) -> str | None:
 
 def state_bytes(state: dict, count_replicated: bool) -> int:
     """Bytes of the tensors one rank contributes to a checkpoint: its shards (DTensor,
-    ShardedTensor), and whole tensors only when ``count_replicated`` (DCP writes a tensor
+    FlatShard), and whole tensors only when ``count_replicated`` (DCP writes a tensor
     every rank holds once, so only one rank should count it)."""
     total = 0
     for leaf in tree_leaves(state):
         if isinstance(leaf, DTensor):
             total += leaf.to_local().nbytes
-        elif isinstance(leaf, ShardedTensor):
-            total += sum(s.tensor.nbytes for s in leaf.local_shards())
-        elif isinstance(leaf, torch.Tensor) and count_replicated:
+        elif isinstance(leaf, FlatShard) or (isinstance(leaf, torch.Tensor) and count_replicated):
             total += leaf.nbytes
     return total
 

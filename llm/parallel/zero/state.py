@@ -2,18 +2,19 @@
 
 Keys as torch DCP's ``get_state_dict`` lays them out: ``model.<name>`` at the parameter's own
 shape, ``optimizer.state.<name>.<moment>`` and ``optimizer.param_groups`` (names, not
-tensors), plus the loss scaler. Each parameter is a ShardedTensor (llm/parallel/flat_shards.py)
-whose local shards are views of this rank's piece: the fp32 master when one exists, else the
+tensors), plus the loss scaler. Each parameter is a FlatShard (llm/parallel/flat_shards.py)
+whose rectangles are views of this rank's piece: the fp32 master when one exists, else the
 working shard, and the piece's optimizer moments. DCP writes each rank's pieces once, and a
 load reads only the chunks that overlap them, from a checkpoint saved by any world size or
 strategy, straight into place; nothing larger than one saved chunk is ever materialised.
-A parameter of which this rank owns nothing is a ShardedTensor with no data here.
+A parameter of which this rank owns nothing is a FlatShard with no rectangles here.
 
 Under tensor parallel a piece is a flat range of the rank's DTensor block, placed at that
 block's offset in the whole parameter, so the keys and shapes are those of one process and
-of tensor parallel's own DTensor checkpoints. A tp-split parameter's ShardedTensor spans the
-ranks of its pipeline stage, the world without one (their pieces together cover it once); a tp-replicated one (norms, row-parallel
-biases) spans the dp group, and DCP writes the chunks the tp peers share once.
+of tensor parallel's own DTensor checkpoints. The pieces of a tp-split parameter over the
+ranks of its pipeline stage (the world without one) cover it once; a tp-replicated one
+(norms, row-parallel biases) is covered by the dp group's pieces, and DCP writes the chunks
+the tp peers share once.
 
 After a load the 16-bit working shard is refreshed from the master, and under stages 1-2 the
 working buffers are all-gathered (the working parameters, 2Φ, as after every step).
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from llm.models import local_region, param_name
 from llm.optim import materialize_state
-from llm.parallel.flat_shards import sharded
+from llm.parallel.flat_shards import FlatShard, flat_shard
 from llm.parallel.tensor_parallel import tp_copies
 from llm.parallel.zero.collectives import all_gather
 
@@ -43,9 +44,9 @@ def ensure_optimizer_state(strategy) -> None:
             materialize_state(optimizer, missing)
 
 
-def _local_layout(strategy) -> tuple[list[list[str]], dict[str, torch.dtype], dict]:
+def _local_layout(strategy) -> tuple[list[list[str]], list[str], dict]:
     """This rank's view of the optimizer: parameter names per group, element-wise state keys
-    with their dtypes (exp_avg, ...), and per-parameter scalars (AdamW's ``step``)."""
+    (exp_avg, ...), and per-parameter scalars (AdamW's ``step``)."""
     optimizer = strategy.optimizer
     names: list[list[str]] = [[] for _ in optimizer.param_groups]
     group_of = {id(t): i for i, g in enumerate(optimizer.param_groups) for t in g["params"]}
@@ -53,23 +54,24 @@ def _local_layout(strategy) -> tuple[list[list[str]], dict[str, torch.dtype], di
         group = names[group_of[id(tensor)]]
         if piece.slot.name not in group:
             group.append(piece.slot.name)
-    moments, scalars = {}, {}
+    moments, scalars = [], {}
     for _, tensor in strategy.piece_params[:1]:  # every piece's state has the same keys
         for k, v in optimizer.state[tensor].items():
             if torch.is_tensor(v) and v.dim() and v.shape == tensor.shape:
-                moments[k] = v.dtype
+                moments.append(k)
             elif not (torch.is_tensor(v) and v.dim()):
                 scalars[k] = v.item() if torch.is_tensor(v) else v
     return names, moments, scalars
 
 
-def _agreed_layout(strategy) -> tuple[list[list[str]], dict[str, torch.dtype], dict]:
+def _agreed_layout(strategy) -> tuple[list[list[str]], list[str], dict]:
     """The layout every rank must use, merged over ranks: a rank may own no piece of some
-    parameter (or group), yet every rank builds every ShardedTensor (a collective)."""
+    parameter (or group, or of any parameter), yet every rank lists every parameter and
+    moment, so that the keys of every rank's state dict agree."""
     gathered = [None] * strategy.world
     dist.all_gather_object(gathered, _local_layout(strategy), group=strategy.group)
     names: list[list[str]] = [[] for _ in strategy.optimizer.param_groups]
-    moments, scalars = {}, {}
+    moments, scalars = [], {}
     for rank_names, rank_moments, rank_scalars in gathered:
         for merged, group in zip(names, rank_names, strict=True):
             merged.extend(n for n in group if n not in merged)
@@ -83,13 +85,12 @@ def _scalar(value):
     return torch.tensor(value) if isinstance(value, float) else value
 
 
-def _placed(strategy, slot) -> tuple[list[int] | None, dist.ProcessGroup]:
-    """Where ``slot``'s bucketed block sits in its parameter (None: it is the whole), and
-    the group whose pieces of it cover the parameter once."""
+def _placed(strategy, slot) -> tuple[list[int], list[int]] | None:
+    """Where ``slot``'s bucketed block sits in its parameter (None: it is the whole)."""
     param = slot.param
     if not isinstance(param, DTensor) or tp_copies(param, strategy.dims.tp_size) > 1:
-        return None, strategy.group
-    return local_region(param), strategy.stage_group
+        return None
+    return local_region(param)
 
 
 def checkpoint_state(strategy) -> dict:
@@ -108,11 +109,10 @@ def checkpoint_state(strategy) -> dict:
             start = piece.param_range[0] if piece else 0
             state = optimizer.state[tensor] if piece else {}
             shape = slot.param.shape
-            block, group = _placed(strategy, slot)
-            model_sd[slot.name] = sharded(shape, start, tensor, buf.master, group, block)
+            block = _placed(strategy, slot)
+            model_sd[slot.name] = flat_shard(shape, start, tensor, block)
             optim_state[slot.name] = {
-                k: sharded(shape, start, state.get(k), _empty(dtype, buf.master), group, block)
-                for k, dtype in moments.items()
+                k: flat_shard(shape, start, state.get(k), block) for k in moments
             } | {k: _scalar(v) for k, v in scalars.items()}
     for name, value in strategy.model.state_dict(keep_vars=True).items():
         name = param_name(name)
@@ -140,14 +140,8 @@ def _frozen_state(strategy, buf) -> dict:
         piece = owned.get(slot.name)
         local = buf.shard[piece.start - lo : piece.stop - lo] if piece else None
         start = piece.param_range[0] if piece else 0
-        block, group = _placed(strategy, slot)
-        out[slot.name] = sharded(slot.param.shape, start, local, buf.shard, group, block)
+        out[slot.name] = flat_shard(slot.param.shape, start, local, _placed(strategy, slot))
     return out
-
-
-def _empty(dtype: torch.dtype, master: torch.Tensor) -> torch.Tensor:
-    """What an unowned moment's empty shard is made like: the moments' dtype and device."""
-    return torch.empty(0, dtype=dtype, device=master.device)
 
 
 @torch.no_grad()
@@ -158,8 +152,8 @@ def restore_state(strategy, loaded: dict) -> None:
     for piece, tensor in strategy.piece_params:
         state = optimizer.state[tensor]
         for k, v in states[piece.slot.name].items():
-            held = state.get(k)
-            if not (torch.is_tensor(v) and v.dim()):
+            if not isinstance(v, FlatShard):  # a scalar; the moments were loaded in place
+                held = state.get(k)
                 state[k] = held.fill_(v) if torch.is_tensor(held) else _plain(v)
     for g, saved in zip(optimizer.param_groups, loaded["optimizer"]["param_groups"], strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})
