@@ -35,8 +35,9 @@ EXPERIMENTS = (
 
 
 def experiment_module(config: str):
-    """The module of an experiment config: ``zero_memory_gpu`` -> experiments.zero_memory."""
-    name = config.removesuffix("_gpu")
+    """The module of an experiment config: ``zero_memory_gpu`` -> experiments.zero_memory,
+    ``optimizers_medium`` -> experiments.optimizers."""
+    name = config.removesuffix("_gpu").removesuffix("_medium")
     if name not in EXPERIMENTS:
         raise ConfigError(f"no experiment named {name}; choose one of {', '.join(EXPERIMENTS)}")
     return importlib.import_module(f"experiments.{name}")

@@ -26,7 +26,8 @@ from llm.train.stop import STOP_CODES
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
-SCALES = ("small", "gpu")
+SCALES = ("small", "medium", "gpu")  # medium: a longer CPU run, where an experiment has one
+REQUIRED_SCALES = ("small", "gpu")
 
 
 class JobFailed(Exception):
@@ -42,8 +43,8 @@ class SweepInterrupted(Exception):
 
 
 def config_file(name: str, scale: str) -> Path:
-    """The experiment config of a scale: ``<name>.yaml`` (small) or ``<name>_gpu.yaml``."""
-    return CONF / "experiment" / f"{name if scale == 'small' else name + '_gpu'}.yaml"
+    """The experiment config of a scale: ``<name>.yaml`` (small) or ``<name>_<scale>.yaml``."""
+    return CONF / "experiment" / f"{name if scale == 'small' else f'{name}_{scale}'}.yaml"
 
 
 def scales_of(name: str) -> list[str]:
@@ -52,9 +53,7 @@ def scales_of(name: str) -> list[str]:
 
 def config_name(name: str, scale: str) -> str:
     if scale not in SCALES:
-        raise ConfigError(
-            f"scale={scale} is not one of {', '.join(SCALES)}; use scale=small or scale=gpu"
-        )
+        raise ConfigError(f"scale={scale} is not one of {', '.join(SCALES)}; use one of them")
     if scale not in scales_of(name):
         raise ConfigError(
             f"experiment {name} has no {scale} scale ({config_file(name, scale)}); "
