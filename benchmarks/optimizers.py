@@ -47,6 +47,8 @@ def _library(name: str, model, device) -> torch.optim.Optimizer | None:
         return Lion(groups, lr=1e-4)
     if name == "adamw (torch fused)":
         return torch.optim.AdamW(groups, lr=3e-4, fused=True)
+    if name == "adafactor (torch)":
+        return torch.optim.Adafactor(groups, lr=1e-2)
     if name == "lamb (DeepSpeed FusedLamb)" and device.type == "cuda":
         from deepspeed.ops.lamb import FusedLamb
 
@@ -55,7 +57,8 @@ def _library(name: str, model, device) -> torch.optim.Optimizer | None:
 
 
 def _rows(device: torch.device) -> list[str]:
-    rows = [*OURS, "lamb (pytorch-optimizer)", "lion (lion-pytorch)", "adamw (torch fused)"]
+    rows = [*OURS, "lamb (pytorch-optimizer)", "lion (lion-pytorch)", "adafactor (torch)"]
+    rows.append("adamw (torch fused)")
     if device.type == "cuda":
         rows.append("lamb (DeepSpeed FusedLamb)")
     return rows

@@ -17,7 +17,7 @@ from llm.optim import build_optimizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import optimizers as bench
 
-ROWS = ["adamw", "lion", "adafactor", "lion (lion-pytorch)"]
+ROWS = ["adamw", "lion", "adafactor", "lion (lion-pytorch)", "adafactor (torch)"]
 
 
 def _state_bytes_per_param(name: str) -> float:
@@ -43,3 +43,4 @@ def test_optimizers_benchmark_tiny(monkeypatch, capsys):
     for name in ("adamw", "lion", "adafactor"):
         assert float(table[name][2]) == round(_state_bytes_per_param(name), 2)
     assert float(table["lion (lion-pytorch)"][2]) == float(table["lion"][2])
+    assert float(table["adafactor (torch)"][2]) == float(table["adafactor"][2])

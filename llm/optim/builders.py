@@ -12,6 +12,7 @@ import torch
 
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
+from llm.optim.adafactor import Adafactor
 from llm.optim.lamb import Lamb
 from llm.optim.lion import Lion
 from llm.optim.muon import MuonWithAdamW
@@ -78,7 +79,7 @@ def _adafactor_state(shape, kind, cfg: OptimizerConfig) -> int:
 
 @register_optimizer("adafactor", _adafactor_state, WHOLE_MATRICES)
 def _adafactor(groups: Groups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    return torch.optim.Adafactor(
+    return Adafactor(
         groups,
         lr=cfg.lr,
         beta2_decay=cfg.beta2_decay,

@@ -1,0 +1,105 @@
+"""Adafactor (Shazeer & Stern, 2018, "Adafactor: Adaptive Learning Rates with Sublinear
+Memory Cost", Algorithms 4 and 5, no first moment), in torch.optim.Adafactor's form:
+
+    t <- t + 1;  beta2_t = 1 - t^beta2_decay;  rho_t = min(lr, 1 / sqrt(t))
+    alpha_t = max(eps2, RMS(w)) * rho_t                      (relative step size)
+    w <- w * (1 - lr * wd)                                   (decoupled decay, torch's)
+    matrix (last two dims n x m):
+        R <- beta2_t R + (1 - beta2_t) mean_cols(g^2)        (n x 1)
+        C <- beta2_t C + (1 - beta2_t) mean_rows(g^2)        (1 x m)
+        V  = R C / max(mean(R), eps1)
+    vector: V <- beta2_t V + (1 - beta2_t) g^2
+    U  = g / sqrt(max(V, eps1^2))
+    w <- w - alpha_t / max(1, RMS(U) / d) * U                (update clipping)
+
+State: a row and a column vector per matrix (the factored second moment, n + m elements
+instead of n m), a full vector for 1-D parameters, and a 4-byte ``step``; no momentum.
+
+Ours, as LAMB is, because every reduction above is over a whole parameter (the row and
+column means, RMS(w), RMS(U)) and torch's step computes them inside, where a sharded
+strategy cannot insert a collective; the sharded strategies still refuse Adafactor
+(docs/optimizers.md). It follows torch's single-tensor step operation for operation, so the
+two give the same bits, and transformers' ``Adafactor`` with the same settings agrees to
+rounding (tests/test_adafactor.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Adafactor(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+    ):
+        if lr <= 0 or beta2_decay > 0 or d <= 0:
+            raise ValueError(
+                f"Adafactor needs lr > 0, beta2_decay <= 0 and d > 0, got {lr}, {beta2_decay}, {d}"
+            )
+        defaults = {
+            "lr": lr,
+            "beta2_decay": beta2_decay,
+            "eps": tuple(eps),
+            "d": d,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, defaults)
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            if p.dim() > 1:
+                state["row_var"] = p.new_zeros(p.shape[:-1]).unsqueeze(-1)
+                state["col_var"] = p.new_zeros(p.shape[:-2] + p.shape[-1:]).unsqueeze(-2)
+            else:
+                state["variance"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, p.grad, self._state(p), group)
+        return loss
+
+    @staticmethod
+    def _update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        lr, wd, d = group["lr"], group["weight_decay"], group["d"]
+        eps1, eps2 = group["eps"]
+        if eps1 is None:
+            eps1 = torch.finfo(p.dtype).eps
+        state["step"] += 1
+        t = state["step"].item()
+        one_minus_beta2_t = t ** group["beta2_decay"]
+        rho_t = min(lr, 1 / (t**0.5))
+        alpha = max(eps2, p.norm(2).item() / (p.numel() ** 0.5)) * rho_t
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        if grad.dim() > 1:
+            row_var, col_var = state["row_var"], state["col_var"]
+            row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
+            row_var.lerp_(row_mean, one_minus_beta2_t)
+            col_mean = torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2))
+            col_var.lerp_(col_mean, one_minus_beta2_t)
+            var_estimate = row_var @ col_var
+            var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        else:
+            variance = state["variance"]
+            variance.lerp_(grad * grad, one_minus_beta2_t)
+            var_estimate = variance.clone()
+        update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+        update.mul_(grad)
+        denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
+        p.add_(update, alpha=-alpha / denom)
