@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from experiments.report import EXPERIMENTS, experiment_module, publish, write_report
 from experiments.runner import (
@@ -16,6 +17,7 @@ from experiments.runner import (
     run_sweep,
     scales_of,
 )
+from experiments.sweep import experiment_of
 from llm.errors import ConfigError, Interrupted
 
 
@@ -34,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("sweep_dir")
     report.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
     report.add_argument("--publish", action="store_true", help="then copy it to docs/experiments/")
+    grow = sub.add_parser(
+        "grow",
+        help="run the follow-up sweeps a stopped sweep still asks for (without the first "
+        "command's overrides), then its report",
+    )
+    grow.add_argument("sweep_dir")
+    grow.add_argument("--publish", action="store_true", help="then copy it to docs/experiments/")
     pub = sub.add_parser("publish", help="copy a sweep's report.md and PNGs to docs/experiments/")
     pub.add_argument("sweep_dir")
     names = sub.add_parser("list", help="the experiments and their scales")
@@ -71,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.command == "report":
             sweep_dir, log_wandb = a.sweep_dir, not a.no_wandb
+        elif a.command == "grow":
+            sweep_dir, log_wandb = Path(a.sweep_dir), True
+            config = experiment_of(sweep_dir)
+            if config is None:
+                raise ConfigError(f"{sweep_dir} names no experiment; give a sweep's folder")
+            try:
+                run_follow_ups(experiment_module(config), config, [], sweep_dir)
+            except SweepInterrupted:
+                interrupted = True
         else:
             log_wandb = True
             try:

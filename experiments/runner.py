@@ -140,10 +140,10 @@ def _key(override: str) -> str:
 
 def run_follow_ups(module, config: str, overrides: list[str], sweep_dir: Path) -> None:
     """Sweeps the experiment asks for after reading its jobs (``module.follow_up(jobs)``:
-    a list of override lists, or nothing more), each into ``SWEEP/follow_up_<n>``, until it
-    asks for none. The command line's overrides stay, less the keys a follow-up sets."""
+    a list of override lists, or nothing more), each into ``SWEEP/follow_up_<n>`` (n after
+    the ones already there), until it asks for none. The command line's overrides stay, less the keys a follow-up sets."""
     follow_up = getattr(module, "follow_up", None)
-    n = 0
+    n = len(list(Path(sweep_dir).glob(f"{FOLLOW_UP}*")))  # a grown sweep goes on numbering
     while follow_up is not None and (more := follow_up(load_jobs(sweep_dir))):
         for extra in more:
             n += 1

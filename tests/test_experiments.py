@@ -777,6 +777,31 @@ def test_follow_up_sweeps_run_until_the_experiment_asks_for_none(tmp_path, monke
     ]
 
 
+def test_grow_goes_on_with_a_stopped_sweeps_follow_ups(tmp_path, monkeypatch):
+    """`python -m experiments grow SWEEP`: the sweep's own experiment asks again, and the new
+    follow-ups are numbered after the ones already there; then the report is written."""
+    import experiments.__main__ as cli
+    from experiments import runner
+
+    sweep = _sweep(tmp_path, "optimizers_medium")
+    (sweep / "follow_up_1").mkdir()
+    (sweep / "follow_up_2").mkdir()
+    ran, reported = [], []
+
+    def fake_sweep(config, overrides):
+        ran.append((config, overrides[-1]))
+        return Path(overrides[-1].split("=", 1)[1])
+
+    asked = iter([[["optimizer=lion", "optimizer.lr=1e-4"]], []])
+    monkeypatch.setattr(runner, "run_sweep", fake_sweep)
+    monkeypatch.setattr(experiment_module("optimizers"), "follow_up", lambda jobs: next(asked))
+    monkeypatch.setattr(cli, "write_report", lambda d, log_wandb: reported.append(d) or "ok")
+    assert cli.main(["grow", str(sweep)]) == 0
+    assert ran == [("optimizers_medium", f"hydra.sweep.dir={sweep}/follow_up_3")]
+    assert reported == [sweep]
+    assert cli.main(["grow", str(tmp_path)]) == 2  # no sweep there: one line, exit 2
+
+
 def test_the_follow_up_sweeps_compose_and_validate():
     """The overrides parallel_strategies' scaling sweep and the optimizers' grid extension
     hand to Hydra compose into configs train.py accepts."""
