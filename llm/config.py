@@ -359,9 +359,14 @@ class OptimizerConfig:
     beta2_decay: float = -0.8
     eps2: float = 1e-3
     clip_threshold: float = 1.0
-    # muon (torch.optim.Muon on hidden matrices): Newton-Schulz steps, lr adjustment
+    # muon (llm/optim/muon.py on hidden matrices): Newton-Schulz steps and their dtype, lr
+    # adjustment, and how sharded strategies orthogonalise: every rank gathers the whole
+    # matrices it holds a piece of (gather, Moonlight's Distributed Muon) or one owner per
+    # matrix computes it and scatters the pieces back (owner)
     ns_steps: int = 5
+    ns_dtype: str = "bfloat16"  # bfloat16 (torch.optim.Muon's) | float32
     adjust_lr: str = "match_rms_adamw"  # match_rms_adamw | original
+    distributed: str = "gather"  # gather | owner
     # adamw8bit: tensors smaller than this keep fp32 moments (bitsandbytes' min_8bit_size)
     min_8bit_size: int = 4096
 
@@ -385,6 +390,8 @@ class OptimizerConfig:
         if not -1.0 <= self.beta2_decay < 0.0:
             raise ConfigError(f"optimizer.beta2_decay={self.beta2_decay} must be in [-1, 0)")
         _require_choice("optimizer", "adjust_lr", self.adjust_lr, ("match_rms_adamw", "original"))
+        _require_choice("optimizer", "ns_dtype", self.ns_dtype, ("bfloat16", "float32"))
+        _require_choice("optimizer", "distributed", self.distributed, ("gather", "owner"))
 
 
 @dataclass

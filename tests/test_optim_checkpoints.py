@@ -15,7 +15,13 @@ STEPS = ("train.max_steps=4", "train.micro_batch_size=8")
 
 def _optimizer(name: str) -> tuple[str, ...]:
     # Sophia estimates its Hessian at steps 1 and 3: one of them after the resume at 2.
-    return (f"optimizer={name}", "optimizer.hessian_every=2", "optimizer.min_8bit_size=1024")
+    # Muon's Newton-Schulz in fp32: compared across world sizes to fp32 rounding.
+    return (
+        f"optimizer={name}",
+        "optimizer.hessian_every=2",
+        "optimizer.min_8bit_size=1024",
+        "optimizer.ns_dtype=float32",
+    )
 
 
 # Sophia (its Hessian EMA and the Trainer's gradient pass) in the fast suite; the rest `slow`.
@@ -36,10 +42,40 @@ def test_resume_is_bitwise(tmp_path, text_corpus, cache_dir, name):
         assert torch.equal(value, final_weights(split)[key]), key
 
 
-# (saved by, its ranks, resumed by): the element-wise and norm-based optimizers, which every
-# sharded strategy runs, move between world sizes and strategies.
+# Under sharding, the optimizers whose step spans whole matrices (a ShardLayout): Muon's
+# momentum pieces in both modes, Adafactor's whole row and column statistics.
+SHARDED_RESUME = [
+    ("adafactor", "zero2", "optimizer.distributed=gather"),
+    pytest.param("muon", "zero3", "optimizer.distributed=gather", marks=pytest.mark.slow),
+    pytest.param("muon", "fsdp", "optimizer.distributed=owner", marks=pytest.mark.slow),
+    pytest.param("adafactor", "fsdp", "optimizer.distributed=gather", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("name", "strategy", "mode"), SHARDED_RESUME)
+def test_sharded_resume_is_bitwise(tmp_path, text_corpus, cache_dir, name, strategy, mode):
+    args = (
+        *STEPS,
+        *_optimizer(name),
+        mode,
+        f"parallelism={strategy}",
+        "launcher.nproc_per_node=2",
+        "train.micro_batch_size=4",
+    )
+    _, whole = run(tmp_path, "whole", text_corpus, cache_dir, *args)
+    run(tmp_path, "split", text_corpus, cache_dir, *args, "train.stop_at_step=2")
+    _, split = run(tmp_path, "split", text_corpus, cache_dir, *args)
+    assert train_losses(split).keys() >= {3, 4}
+    for key, value in final_weights(whole).items():
+        assert torch.equal(value, final_weights(split)[key]), key
+
+
+# (saved by, its ranks, resumed by): optimizers move between world sizes and strategies.
 RESHARD = [
     ("lamb", "zero2", 2, "single"),
+    ("muon", "fsdp", 2, "zero1"),
+    pytest.param("adafactor", "zero2", 2, "single", marks=pytest.mark.slow),
+    pytest.param("adafactor", "single", 1, "fsdp", marks=pytest.mark.slow),
     pytest.param("lion", "fsdp", 2, "zero1", marks=pytest.mark.slow),
     pytest.param("sophia", "zero3", 2, "single", marks=pytest.mark.slow),
 ]
@@ -67,7 +103,7 @@ def test_checkpoint_reshards_between_world_sizes(
         )
 
     launch(saved_by, ranks, "train.stop_at_step=2")
-    _, out = launch(resumed_by, 1 if resumed_by == "single" else ranks)
+    _, out = launch(resumed_by, 1 if resumed_by == "single" else 2)
     want, got = train_losses(ref), train_losses(out)
     # fp32: the gradient sums' order differs between world sizes, as in the parity tests.
     for step in range(1, 5):

@@ -56,8 +56,18 @@ ATOL = {
 }
 
 
-def _cfg(name: str) -> OptimizerConfig:
-    return OptimizerConfig(name=name, lr=LR.get(name, 1e-3), hessian_every=2, min_8bit_size=256)
+def _cfg(case: str) -> OptimizerConfig:
+    """``case``: an optimizer's name, or "muon-owner" for Muon's owner mode (else gather).
+    Muon's Newton-Schulz in fp32, so that parity is to fp32 rounding."""
+    name, _, mode = case.partition("-")
+    return OptimizerConfig(
+        name=name,
+        lr=LR.get(name, 1e-3),
+        hessian_every=2,
+        min_8bit_size=256,
+        ns_dtype="float32",
+        distributed=mode or "gather",
+    )
 
 
 def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -136,16 +146,17 @@ def _ranks(rank: int, world: int, port: int, cases, steps: int, results) -> None
 
 @functools.cache
 def _reference(optimizer: str, steps: int) -> dict[str, torch.Tensor]:
-    """One process's weights, shared by every strategy's case in this session."""
-    return train("single", optimizer, steps)
+    """One process's weights, shared by every strategy's case in this session (Muon's
+    distributed mode does nothing in one process)."""
+    return train("single", optimizer.partition("-")[0], steps)
 
 
-def check_cases(cases: list[tuple[str, str]], steps: int) -> None:
+def check_cases(cases: list[tuple[str, str]], steps: int, world: int = WORLD) -> None:
     results = mp.Manager().dict()
     mp.start_processes(
         _ranks,
-        args=(WORLD, free_port(), cases, steps, results),
-        nprocs=WORLD,
+        args=(world, free_port(), cases, steps, results),
+        nprocs=world,
         start_method="spawn",
     )
     for strategy_name, optimizer in cases:
@@ -162,7 +173,7 @@ def check_cases(cases: list[tuple[str, str]], steps: int) -> None:
 
 
 def supported(strategy: str, optimizer: str) -> bool:
-    return strategy == "ddp" or OPTIMIZERS[optimizer].layout not in (WHOLE_MATRICES, QUANT_BLOCKS)
+    return strategy == "ddp" or OPTIMIZERS[optimizer].layout != QUANT_BLOCKS
 
 
 # Fast: the cases that exercise each mechanism once (LAMB's cross-rank norms on ZeRO pieces
@@ -175,6 +186,10 @@ FAST = [
     ("fsdp", "sophia"),
     ("zero3", "lion"),
     ("ddp", "adamw8bit"),
+    ("zero2", "adafactor"),
+    ("fsdp", "adafactor"),
+    ("zero3", "muon"),
+    ("fsdp", "muon-owner"),
 ]
 
 
@@ -182,10 +197,26 @@ def test_representative_optimizers_match_single_under_sharding():
     check_cases(FAST, FAST_STEPS)
 
 
+def _every(strategy: str) -> list[tuple[str, str]]:
+    names = [o for o in sorted(OPTIMIZERS) if supported(strategy, o)]
+    return [(strategy, o) for o in names] + (
+        [(strategy, "muon-owner")] if strategy != "ddp" else []
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", *SHARDED])
 def test_every_optimizer_under_every_strategy_matches_single(strategy):
-    check_cases([(strategy, o) for o in sorted(OPTIMIZERS) if supported(strategy, o)], MATRIX_STEPS)
+    check_cases(_every(strategy), MATRIX_STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_whole_matrix_optimizers_on_four_ranks_match_single(strategy):
+    """Four ranks cut llama-tiny's matrices into more and smaller pieces (some ranks hold
+    none of a matrix): Muon's two modes and Adafactor."""
+    cases = [(strategy, o) for o in ("adafactor", "muon", "muon-owner")]
+    check_cases(cases, FAST_STEPS, world=4)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from llm.optim.schedule import (
     lr_multiplier,
     warmup_note,
 )
+from llm.optim.shard_layout import ParamLayout, ShardLayout
 from llm.optim.sophia import SophiaG
 
 __all__ = [
@@ -44,7 +45,9 @@ __all__ = [
     "Lamb",
     "Lion",
     "OptimizerSpec",
+    "ParamLayout",
     "RoundedUpdate",
+    "ShardLayout",
     "SophiaG",
     "build_optimizer",
     "build_scheduler",

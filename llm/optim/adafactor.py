@@ -17,18 +17,24 @@ instead of n m), a full vector for 1-D parameters, and a 4-byte ``step``; no mom
 
 Ours, as LAMB is, because every reduction above is over a whole parameter (the row and
 column means, RMS(w), RMS(U)) and torch's step computes them inside, where a sharded
-strategy cannot insert a collective; the sharded strategies still refuse Adafactor
-(docs/optimizers.md). It follows torch's single-tensor step operation for operation, so the
-two give the same bits, and transformers' ``Adafactor`` with the same settings agrees to
-rounding (tests/test_adafactor.py).
+strategy cannot insert a collective. On whole tensors it follows torch's single-tensor step
+operation for operation, so the two give the same bits, and transformers' ``Adafactor``
+with the same settings agrees to rounding (tests/test_adafactor.py). With a
+``shard_layout`` (our ZeRO's flat pieces, FSDP's rows) the step is
+llm/optim/adafactor_sharded.py's: the same arithmetic, its reductions summed over ranks.
 """
 
 from __future__ import annotations
 
 import torch
 
+from llm.optim.adafactor_sharded import sharded_step
+from llm.optim.shard_layout import ShardLayout
+
 
 class Adafactor(torch.optim.Optimizer):
+    shard_layout: ShardLayout | None = None
+
     def __init__(
         self,
         params,
@@ -51,13 +57,18 @@ class Adafactor(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
-    def _state(self, p: torch.Tensor) -> dict:
+    def init_state(self, p: torch.Tensor, group_index: int = 0) -> dict:
+        """The factored statistics have the whole parameter's shape (under a shard layout
+        every rank holding a piece keeps them whole: n + m elements per matrix); a vector's
+        variance is element-wise, the piece's own."""
         state = self.state[p]
         if not state:
+            shape = self.shard_layout.of(p)[1].shape if self.shard_layout else tuple(p.shape)
             state["step"] = torch.tensor(0.0)
-            if p.dim() > 1:
-                state["row_var"] = p.new_zeros(p.shape[:-1]).unsqueeze(-1)
-                state["col_var"] = p.new_zeros(p.shape[:-2] + p.shape[-1:]).unsqueeze(-2)
+            if len(shape) > 1:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                state["row_var"] = local.new_zeros(shape[:-1]).unsqueeze(-1)
+                state["col_var"] = local.new_zeros(shape[:-2] + shape[-1:]).unsqueeze(-2)
             else:
                 state["variance"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
@@ -68,10 +79,13 @@ class Adafactor(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.shard_layout is not None:
+            sharded_step(self, self.shard_layout)
+            return loss
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, p.grad, self._state(p), group)
+                    self._update(p, p.grad, self.init_state(p), group)
         return loss
 
     @staticmethod

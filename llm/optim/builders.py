@@ -77,7 +77,7 @@ def _adafactor_state(shape, kind, cfg: OptimizerConfig) -> int:
     return 4 * math.prod(shape) + 4
 
 
-@register_optimizer("adafactor", _adafactor_state, WHOLE_MATRICES)
+@register_optimizer("adafactor", _adafactor_state, WHOLE_MATRICES, factored=True)
 def _adafactor(groups: Groups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return Adafactor(
         groups,
@@ -129,6 +129,8 @@ def _muon(groups: Groups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         "nesterov": True,
         "ns_steps": cfg.ns_steps,
         "adjust_lr_fn": cfg.adjust_lr,
+        "ns_dtype": getattr(torch, cfg.ns_dtype),
+        "distributed": cfg.distributed,
     }
     return MuonWithAdamW(groups, muon, _adamw_kwargs(groups, cfg))
 

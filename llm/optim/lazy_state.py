@@ -10,7 +10,15 @@ def materialize_state(optimizer: torch.optim.Optimizer, params: list[tuple[torch
     """Give each ``(tensor, param-group index)`` its state (Adam's moments exist only after a
     first step) as torch DCP does: one step at lr 0 on zero gradients, weights unchanged (the
     step count it sets is overwritten by the load). Only ``params`` take part, so a caller
-    that passes one bucket at a time bounds the step's temporaries by that bucket."""
+    that passes one bucket at a time bounds the step's temporaries by that bucket.
+
+    An optimizer with ``init_state(tensor, group_index)`` makes it that way instead: one whose
+    sharded step is a collective (Muon, Adafactor) must not step on one rank alone."""
+    init_state = getattr(optimizer, "init_state", None)
+    if init_state is not None:
+        for tensor, gi in params:
+            init_state(tensor, gi)
+        return
     saved = [(g["params"], g["lr"]) for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["params"], g["lr"] = [], 0.0

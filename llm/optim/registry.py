@@ -44,6 +44,9 @@ class OptimizerSpec:
     # Whether it splits matrices inside transformer blocks from embeddings and the head
     # (param_groups(..., split_hidden=True)): Muon.
     split_hidden: bool = False
+    # True: a matrix's state is sized by the whole matrix, which every rank holding a piece
+    # of it keeps whole under a shard layout (Adafactor's row and column statistics).
+    factored: bool = False
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
@@ -86,12 +89,20 @@ def _numel(shape: tuple[int, ...]) -> int:
 def declared_state_bytes(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> int:
     """Bytes of state ``optimizer`` declares for the parameters it holds (after a first
     step: the state is made lazily), read from the spec of ``cfg.name``."""
+    spec = OPTIMIZERS[cfg.name]
+    layout = getattr(optimizer, "shard_layout", None)
+
+    def shape(p: torch.Tensor) -> tuple[int, ...]:
+        if spec.factored and layout is not None and len(whole := layout.of(p)[1].shape) > 1:
+            return whole
+        return tuple(_local(p).shape)
+
     shapes = [
-        (tuple(_local(p).shape), group.get("kind", "matrix"))
+        (shape(p), group.get("kind", "matrix"))
         for group in optimizer.param_groups
         for p in group["params"]
     ]
-    return _total(OPTIMIZERS[cfg.name], cfg, shapes)
+    return _total(spec, cfg, shapes)
 
 
 def _total(spec: OptimizerSpec, cfg: OptimizerConfig, shapes) -> int:

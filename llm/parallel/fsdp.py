@@ -33,6 +33,7 @@ import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -51,6 +52,7 @@ from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors
 from llm.models import WeightSource, model_blocks
+from llm.optim import ParamLayout, ShardLayout
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
 from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
@@ -154,7 +156,27 @@ class FSDPStrategy(SingleStrategy):
         optimizer.whole_param_squares = functools.partial(
             summed_squares, owners=list(range(n)), n_params=n, device=self.device, group=shard_group
         )
+        if hasattr(optimizer, "shard_layout"):  # Adafactor, Muon: whole-matrix sums
+            optimizer.shard_layout = self._shard_layout(optimizer, shard_group)
         return optimizer
+
+    def _shard_layout(self, optimizer, group) -> ShardLayout:
+        """Each parameter's dim-0 rows per rank of the shard dimension (torch.chunk's split,
+        as ``_local_region`` checks), as flat ranges."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        params, index = [], {}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                rows = p.shape[0]
+                per_row, chunk = p.numel() // max(rows, 1), -(-rows // world)
+                ranges = tuple(
+                    (min(r * chunk, rows) * per_row, min((r + 1) * chunk, rows) * per_row)
+                    for r in range(world)
+                )
+                index[id(p)] = len(params)
+                params.append(ParamLayout(tuple(p.shape), g.get("kind", "matrix"), ranges))
+        count = self.counter.add if self.cfg.count_comm else None
+        return ShardLayout(params, index, rank, group, self.device, count)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The sharded parameters ``wrap`` recorded (DTensors: their local shards are

@@ -154,9 +154,11 @@ class StrategyBase:
 
 # What each strategy's shards let an optimizer see (llm/optim/registry.py's layouts). Single
 # and DDP hold whole replicas: every layout. Our ZeRO (flat buckets cut anywhere) and FSDP
-# (dim-0 shards) run element-wise optimizers as they are, and give LAMB whole-parameter norms
-# through `whole_param_squares` (one all-reduce of two floats per parameter per step).
-SHARDED_LAYOUTS = frozenset({ELEMENTWISE, PARAM_NORMS})
+# (dim-0 shards) run element-wise optimizers as they are, give LAMB whole-parameter norms
+# through `whole_param_squares` (one all-reduce of two floats per parameter per step), and
+# Adafactor and Muon a `shard_layout` (every rank's range of every parameter), over which
+# they sum their statistics or make whole matrices (llm/optim/shard_layout.py).
+SHARDED_LAYOUTS = frozenset({ELEMENTWISE, PARAM_NORMS, WHOLE_MATRICES})
 WHY_NOT = {
     WHOLE_MATRICES: "its row/column statistics or Newton-Schulz products need whole matrices "
     "and {strategy} gives each rank a slice of them",

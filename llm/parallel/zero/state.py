@@ -44,40 +44,43 @@ def ensure_optimizer_state(strategy) -> None:
             materialize_state(optimizer, missing)
 
 
-def _local_layout(strategy) -> tuple[list[list[str]], list[str], dict]:
-    """This rank's view of the optimizer: parameter names per group, element-wise state keys
-    (exp_avg, ...), and per-parameter scalars (AdamW's ``step``)."""
+def _local_layout(strategy) -> tuple[list[list[str]], dict[str, dict]]:
+    """This rank's view of the optimizer: parameter names per group, and per parameter its
+    state keys by kind: ``moments`` (element-wise, the piece's shape: exp_avg, ...),
+    ``whole`` (the whole parameter's, kept by every rank holding a piece: Adafactor's row
+    and column statistics) and ``scalars`` (AdamW's ``step``) with their values."""
     optimizer = strategy.optimizer
     names: list[list[str]] = [[] for _ in optimizer.param_groups]
     group_of = {id(t): i for i, g in enumerate(optimizer.param_groups) for t in g["params"]}
+    keys: dict[str, dict] = {}
     for piece, tensor in strategy.piece_params:
         group = names[group_of[id(tensor)]]
         if piece.slot.name not in group:
             group.append(piece.slot.name)
-    moments, scalars = [], {}
-    for _, tensor in strategy.piece_params[:1]:  # every piece's state has the same keys
+        kinds = keys.setdefault(piece.slot.name, {"moments": [], "whole": [], "scalars": {}})
         for k, v in optimizer.state[tensor].items():
-            if torch.is_tensor(v) and v.dim() and v.shape == tensor.shape:
-                moments.append(k)
-            elif not (torch.is_tensor(v) and v.dim()):
-                scalars[k] = v.item() if torch.is_tensor(v) else v
-    return names, moments, scalars
+            if not (torch.is_tensor(v) and v.dim()):
+                kinds["scalars"][k] = v.item() if torch.is_tensor(v) else v
+            elif k not in kinds["moments"] + kinds["whole"]:
+                kinds["moments" if v.shape == tensor.shape else "whole"].append(k)
+    return names, keys
 
 
-def _agreed_layout(strategy) -> tuple[list[list[str]], list[str], dict]:
+def _agreed_layout(strategy) -> tuple[list[list[str]], dict[str, dict]]:
     """The layout every rank must use, merged over ranks: a rank may own no piece of some
-    parameter (or group, or of any parameter), yet every rank lists every parameter and
-    moment, so that the keys of every rank's state dict agree."""
+    parameter (or group, or of any parameter), yet every rank lists every parameter, moment
+    and scalar, so that the FlatShard keys of every rank's state dict agree. (A ``whole``
+    tensor is written by the ranks that hold it; DCP keeps one copy.)"""
     gathered = [None] * strategy.world
     dist.all_gather_object(gathered, _local_layout(strategy), group=strategy.group)
     names: list[list[str]] = [[] for _ in strategy.optimizer.param_groups]
-    moments, scalars = [], {}
-    for rank_names, rank_moments, rank_scalars in gathered:
+    keys: dict[str, dict] = {}
+    for rank_names, rank_keys in gathered:
         for merged, group in zip(names, rank_names, strict=True):
             merged.extend(n for n in group if n not in merged)
-        moments = moments or rank_moments
-        scalars = scalars or rank_scalars
-    return names, moments, scalars
+        for name, kinds in rank_keys.items():
+            keys.setdefault(name, kinds)
+    return names, keys
 
 
 def _scalar(value):
@@ -96,7 +99,7 @@ def _placed(strategy, slot) -> tuple[list[int], list[int]] | None:
 def checkpoint_state(strategy) -> dict:
     """The state dict over this rank's own pieces (views; DCP loads into them in place)."""
     ensure_optimizer_state(strategy)
-    group_names, moments, scalars = _agreed_layout(strategy)
+    group_names, keys = _agreed_layout(strategy)
     optimizer = strategy.optimizer
     model_sd, optim_state = {}, {}
     for buf in strategy.buffers:
@@ -111,9 +114,12 @@ def checkpoint_state(strategy) -> dict:
             shape = slot.param.shape
             block = _placed(strategy, slot)
             model_sd[slot.name] = flat_shard(shape, start, tensor, block)
-            optim_state[slot.name] = {
-                k: flat_shard(shape, start, state.get(k), block) for k in moments
-            } | {k: _scalar(v) for k, v in scalars.items()}
+            kinds = keys.get(slot.name, {"moments": [], "whole": [], "scalars": {}})
+            optim_state[slot.name] = (
+                {k: flat_shard(shape, start, state.get(k), block) for k in kinds["moments"]}
+                | {k: state[k] for k in kinds["whole"] if piece}
+                | {k: _scalar(v) for k, v in kinds["scalars"].items()}
+            )
     for name, value in strategy.model.state_dict(keep_vars=True).items():
         name = param_name(name)
         if name not in model_sd:  # buffers, and a tied weight's second name
@@ -152,9 +158,10 @@ def restore_state(strategy, loaded: dict) -> None:
     for piece, tensor in strategy.piece_params:
         state = optimizer.state[tensor]
         for k, v in states[piece.slot.name].items():
-            if not isinstance(v, FlatShard):  # a scalar; the moments were loaded in place
-                held = state.get(k)
-                state[k] = held.fill_(v) if torch.is_tensor(held) else _plain(v)
+            if isinstance(v, FlatShard) or (torch.is_tensor(v) and v.dim()):
+                continue  # moments and whole tensors: loaded in place
+            held = state.get(k)
+            state[k] = held.fill_(v) if torch.is_tensor(held) else _plain(v)
     for g, saved in zip(optimizer.param_groups, loaded["optimizer"]["param_groups"], strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})
     for buf in strategy.buffers:

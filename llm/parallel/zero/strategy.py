@@ -46,7 +46,14 @@ from torch.distributed.tensor import DTensor
 from llm.config import OptimizerConfig
 from llm.memory import optimizer_state_tensors, state_bytes
 from llm.models import LocalSource, ModuleSource, WeightSource, materialize_from, model_blocks
-from llm.optim import GradientPass, optimizer_for_groups, optimizer_param_groups, wrap_optimizer
+from llm.optim import (
+    GradientPass,
+    ParamLayout,
+    ShardLayout,
+    optimizer_for_groups,
+    optimizer_param_groups,
+    wrap_optimizer,
+)
 from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
@@ -189,7 +196,26 @@ class ZeroStrategy(StrategyBase):
             device=self.device,
             group=self.group,
         )
+        if hasattr(self.optimizer, "shard_layout"):  # Adafactor, Muon: whole-matrix sums
+            kind = {p: g.get("kind", "matrix") for g in factory_groups for p in g["params"]}
+            self.optimizer.shard_layout = self._shard_layout(kind, slots, piece_of)
         return self.optimizer
+
+    def _shard_layout(self, kind: dict, slots: dict, piece_of: dict) -> ShardLayout:
+        """Every trainable parameter (slot order) with the flat range each rank's slice
+        holds of it."""
+        ranges = {id(s): [(0, 0)] * self.world for b in self._trainable for s in b.bucket.slots}
+        for buf in self._trainable:
+            for r in range(self.world):
+                for piece in buf.bucket.pieces(r):
+                    ranges[id(piece.slot)][r] = piece.param_range
+        params = [
+            ParamLayout(tuple(s.shape), kind[s.param], tuple(ranges[id(s)]))
+            for b in self._trainable
+            for s in b.bucket.slots
+        ]
+        index = {tid: slots[id(piece.slot)] for tid, piece in piece_of.items()}
+        return ShardLayout(params, index, self.rank, self.group, self.device, self._count)
 
     # ---- backward ---------------------------------------------------------------------
     def micro_batch(self, sync: bool):
