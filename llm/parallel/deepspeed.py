@@ -83,6 +83,26 @@ def _kind(op: str) -> tuple[str, bool]:
     return op, False
 
 
+def _as_deepspeed_muon_splits(groups: list[dict], names: dict[int, str]) -> list[dict]:
+    """Our groups, each cut where DeepSpeed's Muon cuts it: deepspeed.initialize tags every
+    parameter of two or more dims whose name holds neither "embed" nor "lm_head" for Muon
+    (``set_optimizer_flags``), overriding any tag of ours, and splits each group into its Muon
+    and Adam halves. Cut here the same way, each group is one half, so DeepSpeed's param
+    groups line up with ours (checkpoints name them). Its split differs from ours in one
+    place: a head not named lm_head (llama's ``output.weight``) is Muon's there."""
+
+    def deepspeed_muon(p: torch.Tensor) -> bool:
+        return p.dim() >= 2 and not any(k in names[id(p)].lower() for k in ("embed", "lm_head"))
+
+    out = []
+    for group in groups:
+        for muon in (True, False):
+            half = [p for p in group["params"] if deepspeed_muon(p) == muon]
+            if half:
+                out.append({**group, "params": half, "kind": "hidden" if muon else group["kind"]})
+    return out
+
+
 def _require_cpu_adam() -> None:
     """ZeRO-Offload steps with DeepSpeed's CPU Adam, a C++ op JIT-built into
     TORCH_EXTENSIONS_DIR on first use (about 5 minutes on 2 cores, then cached)."""
@@ -146,6 +166,8 @@ class DeepSpeedStrategy:
         )
         groups = optimizer_param_groups(model, opt_cfg)
         names = {id(p): n for n, p in model.named_parameters()}
+        if opt_cfg.name == "muon":
+            groups = _as_deepspeed_muon_splits(groups, names)
         self._group_names = [[names[id(p)] for p in g["params"]] for g in groups]
         # Our registry's optimizer where the ds_config names none (sgd, lion, ...): a client
         # optimizer, stepped on DeepSpeed's flat fp32 partitions (element-wise ones only:

@@ -94,12 +94,18 @@ def checkpoint_state(engine, inner, group_names: list[list[str]], shard: bool) -
     if missing:  # Adam's moments exist only after a first step; a load writes into them
         materialize_state(inner, missing)
     frags = fragments(engine, inner)
-    any_flat = flats[0][0]
-    first = inner.state[any_flat]
-    moments = sorted(
-        k for k, v in first.items() if torch.is_tensor(v) and v.shape == any_flat.shape
-    )
-    scalars = {"step": torch.tensor(float(first["step"]))} if "step" in first else {}
+    # Per param group: its moments and scalars (DeepSpeed's Muon keeps a momentum_buffer on
+    # its Muon groups' flats and Adam's moments and step on the others).
+    moments, scalars = {}, {}
+    for flat, gi in flats:
+        state = inner.state[flat]
+        moments.setdefault(
+            gi, sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape)
+        )
+        scalars.setdefault(
+            gi, {"step": torch.tensor(float(state["step"]))} if "step" in state else {}
+        )
+    group_of = {name: gi for gi, names in enumerate(group_names) for name in names}
 
     def entry(f: Fragment | None, shape, key: str | None):  # key None: the master itself
         if f is None:  # this rank holds none of it (sharded only)
@@ -114,7 +120,8 @@ def checkpoint_state(engine, inner, group_names: list[list[str]], shard: bool) -
             continue
         shape, f = getattr(p, "ds_shape", p.shape), frags[name]  # ZeRO-3 empties p.data
         model[name] = entry(f, shape, None)
-        states[name] = {k: entry(f, shape, k) for k in moments} | scalars
+        gi = group_of[name]
+        states[name] = {k: entry(f, shape, k) for k in moments[gi]} | scalars[gi]
     # Tied weights are one parameter under two names; both are saved, as other strategies do.
     names = {id(p): n for n, p in engine.module.named_parameters()}
     for name, p in engine.module.named_parameters(remove_duplicate=False):

@@ -113,6 +113,10 @@ def zero_section(cfg: Config, precision: PrecisionPolicy, on_gpu: bool, d_model:
         zero["stage3_param_persistence_threshold"] = 10 * d_model
         if p.offload_params:
             zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+        if cfg.optimizer.name == "muon":
+            # DeepSpeed's stage-3 Muon refuses reduce-scatter: it all-gathers each whole
+            # gradient to orthogonalise it (all-reduce, then keeps its partition).
+            zero["reduce_scatter"] = False
     return zero
 
 
@@ -141,6 +145,14 @@ def generate(cfg: Config, dp_size: int, precision: PrecisionPolicy, on_gpu: bool
         params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
         params["torch_adam"] = not cfg.parallelism.offload_optimizer
         ds["optimizer"] = {"type": "AdamW", "params": params}
+    elif o.name == "muon":
+        # DeepSpeed's own Muon (MuonWithAuxAdam, every ZeRO stage): Newton-Schulz on the
+        # parameters tagged use_muon (our hidden matrices), its inline Adam on the rest. Its
+        # update is scaled by max(1, rows/cols)^0.5, our adjust_lr=original (refused
+        # otherwise, in checked_ds_config); "standard" is torch's quintic iteration.
+        params = {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}
+        params |= {"betas": list(o.betas), "eps": o.eps, "ns_method": "standard"}
+        ds["optimizer"] = {"type": "Muon", "params": params}
     elif o.name == "lamb" and on_gpu and cfg.parallelism.zero_stage == 0:
         # DeepSpeed's own fused LAMB (a CUDA op), on whole parameters: stage 0 only, since
         # its trust ratio over ZeRO's flat partitions would not be per parameter.
@@ -249,6 +261,12 @@ def checked_ds_config(
         )
     if cfg.train.compile:
         raise ConfigError("train.compile=true does not apply to the DeepSpeed engine")
+    if cfg.optimizer.name == "muon" and cfg.optimizer.adjust_lr != "original":
+        raise ConfigError(
+            "optimizer=muon under parallelism=deepspeed is DeepSpeed's Muon, which scales its "
+            "update by max(1, rows/cols)^0.5: set optimizer.adjust_lr=original (and an lr for it, "
+            "~0.02), or use parallelism=zero1-3 or fsdp for adjust_lr=match_rms_adamw"
+        )
     return build_ds_config(cfg, dp_size, precision, device.type == "cuda", d_model)
 
 

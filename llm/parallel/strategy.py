@@ -177,6 +177,8 @@ def refuse_optimizer(strategy: str, optimizer: str, zero_stage: int = 0, tp_size
         _refuse_under_tensor_parallel(optimizer, spec, tp_size)
     if spec is None or strategy in ("single", "ddp"):
         return
+    if strategy == "deepspeed" and optimizer == "muon":
+        return  # DeepSpeed's own Muon, at every stage (llm/parallel/ds_config.py)
     if strategy == "deepspeed":
         # Client optimizers see DeepSpeed's flat partitions (stage 0: whole parameters);
         # its engine has no way to hand an optimizer gradients without stepping.
