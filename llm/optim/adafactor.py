@@ -57,7 +57,7 @@ class Adafactor(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
-    def init_state(self, p: torch.Tensor, group_index: int = 0) -> dict:
+    def make_state(self, p: torch.Tensor, group_index: int = 0) -> dict:
         """The factored statistics have the whole parameter's shape (under a shard layout
         every rank holding a piece keeps them whole: n + m elements per matrix); a vector's
         variance is element-wise, the piece's own."""
@@ -85,7 +85,7 @@ class Adafactor(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, p.grad, self.init_state(p), group)
+                    self._update(p, p.grad, self.make_state(p), group)
         return loss
 
     @staticmethod

@@ -66,7 +66,7 @@ def sharded_step(optimizer, layout: ShardLayout) -> None:
             i, pl = layout.of(p)
             lo, hi = pl.ranges[layout.rank]
             w, g = local(p).reshape(-1), local(p.grad).reshape(-1)
-            state = optimizer.init_state(p)
+            state = optimizer.make_state(p)
             state["step"] += 1
             rows_at, cols_at, w_at = segments[i]
             sums[w_at] += w.float().square().sum()

@@ -13,6 +13,7 @@ import torch
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.optim.adafactor import Adafactor
+from llm.optim.adamw8bit import sharded_adamw8bit_class
 from llm.optim.lamb import Lamb
 from llm.optim.lion import Lion
 from llm.optim.muon import MuonWithAdamW
@@ -77,7 +78,15 @@ def _adafactor_state(shape, kind, cfg: OptimizerConfig) -> int:
     return 4 * math.prod(shape) + 4
 
 
-@register_optimizer("adafactor", _adafactor_state, WHOLE_MATRICES, factored=True)
+def _adafactor_piece_state(piece, whole, kind, cfg: OptimizerConfig) -> int:
+    """A piece of a matrix: the whole matrix's row and column vectors (every rank holding a
+    piece keeps them); a piece of a vector: its own elements' variance."""
+    return _adafactor_state(whole if len(whole) >= 2 else piece, kind, cfg)
+
+
+@register_optimizer(
+    "adafactor", _adafactor_state, WHOLE_MATRICES, piece_state_bytes=_adafactor_piece_state
+)
 def _adafactor(groups: Groups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return Adafactor(
         groups,
@@ -144,19 +153,35 @@ def _adamw8bit_state(shape, kind, cfg: OptimizerConfig) -> int:
     return 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
 
 
+def _adamw8bit_piece_state(piece, whole, kind, cfg: OptimizerConfig) -> int:
+    """A piece is 8-bit when its whole tensor reaches min_8bit_size, whatever its own size
+    (its blocks are the whole's: the strategy cut it at a block boundary)."""
+    n = math.prod(piece)
+    if math.prod(whole) < cfg.min_8bit_size:
+        return 8 * n
+    return 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
+
+
 def _bnb_maps(shapes, cfg: OptimizerConfig) -> int:
     return BNB_QMAPS if any(math.prod(s) >= cfg.min_8bit_size for s in shapes) else 0
 
 
-@register_optimizer("adamw8bit", _adamw8bit_state, QUANT_BLOCKS, shared_state_bytes=_bnb_maps)
+@register_optimizer(
+    "adamw8bit",
+    _adamw8bit_state,
+    QUANT_BLOCKS,
+    shared_state_bytes=_bnb_maps,
+    quant_block=BNB_BLOCK,
+    piece_state_bytes=_adamw8bit_piece_state,
+)
 def _adamw8bit(groups: Groups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     try:
-        import bitsandbytes as bnb
+        adamw8bit = sharded_adamw8bit_class()
     except ImportError as exc:
         raise ConfigError(
             "optimizer=adamw8bit needs bitsandbytes; install requirements.txt"
         ) from exc
-    return bnb.optim.AdamW8bit(
+    return adamw8bit(
         groups,
         lr=cfg.lr,
         betas=tuple(cfg.betas),

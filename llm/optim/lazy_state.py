@@ -12,12 +12,12 @@ def materialize_state(optimizer: torch.optim.Optimizer, params: list[tuple[torch
     step count it sets is overwritten by the load). Only ``params`` take part, so a caller
     that passes one bucket at a time bounds the step's temporaries by that bucket.
 
-    An optimizer with ``init_state(tensor, group_index)`` makes it that way instead: one whose
+    An optimizer with ``make_state(tensor, group_index)`` makes it that way instead: one whose
     sharded step is a collective (Muon, Adafactor) must not step on one rank alone."""
-    init_state = getattr(optimizer, "init_state", None)
-    if init_state is not None:
+    make_state = getattr(optimizer, "make_state", None)
+    if make_state is not None:
         for tensor, gi in params:
-            init_state(tensor, gi)
+            make_state(tensor, gi)
         return
     saved = [(g["params"], g["lr"]) for g in optimizer.param_groups]
     for g in optimizer.param_groups:

@@ -113,7 +113,7 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype, self.distributed = ns_dtype, distributed
         self._owners: dict[int, int] | None = None
 
-    def init_state(self, p: torch.Tensor, group_index: int = 0) -> dict:
+    def make_state(self, p: torch.Tensor, group_index: int = 0) -> dict:
         state = self.state[p]
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -131,7 +131,7 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad, buf = local(p.grad), local(self.init_state(p)["momentum_buffer"])
+                grad, buf = local(p.grad), local(self.make_state(p)["momentum_buffer"])
                 buf.lerp_(grad, 1 - mu)
                 items.append((p, grad.lerp(buf, mu) if group["nesterov"] else buf, group))
         if self.shard_layout is None:
@@ -205,14 +205,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         inner.param_groups = [g for g in self.param_groups if (g.get("kind") == "hidden") == hidden]
         inner.state = self.state
 
-    def init_state(self, p: torch.Tensor, group_index: int) -> None:
+    def make_state(self, p: torch.Tensor, group_index: int) -> None:
         """``p``'s state without a step (a sharded Muon step is a collective, which a caller
         making one rank's state alone must not start): Muon's momentum, or AdamW's moments
         from one zero-lr step of AdamW alone."""
         group = self.param_groups[group_index]
         if group.get("kind") == "hidden":
             self._point(self._muon, True)
-            self._muon.init_state(p)
+            self._muon.make_state(p)
             return
         self._point(self._adamw, False)
         index = next(i for i, g in enumerate(self._adamw.param_groups) if g is group)

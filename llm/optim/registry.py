@@ -44,9 +44,15 @@ class OptimizerSpec:
     # Whether it splits matrices inside transformer blocks from embeddings and the head
     # (param_groups(..., split_hidden=True)): Muon.
     split_hidden: bool = False
-    # True: a matrix's state is sized by the whole matrix, which every rank holding a piece
-    # of it keeps whole under a shard layout (Adafactor's row and column statistics).
-    factored: bool = False
+    # Under a shard layout, the state of one piece when it is not ``state_bytes`` of the
+    # piece's own shape: (piece shape, whole shape, group kind, cfg) -> bytes (Adafactor
+    # keeps a matrix's statistics whole; 8-bit AdamW decides min_8bit_size on the whole).
+    piece_state_bytes: (
+        Callable[[tuple[int, ...], tuple[int, ...], str, OptimizerConfig], int] | None
+    ) = None
+    # Elements per quantisation block (QUANT_BLOCKS layout): a sharded strategy cuts each
+    # parameter at multiples of it.
+    quant_block: int = 0
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {}
@@ -91,18 +97,18 @@ def declared_state_bytes(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig)
     step: the state is made lazily), read from the spec of ``cfg.name``."""
     spec = OPTIMIZERS[cfg.name]
     layout = getattr(optimizer, "shard_layout", None)
-
-    def shape(p: torch.Tensor) -> tuple[int, ...]:
-        if spec.factored and layout is not None and len(whole := layout.of(p)[1].shape) > 1:
-            return whole
-        return tuple(_local(p).shape)
-
-    shapes = [
-        (shape(p), group.get("kind", "matrix"))
-        for group in optimizer.param_groups
-        for p in group["params"]
-    ]
-    return _total(spec, cfg, shapes)
+    entries = []  # (piece shape, whole shape, group kind)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            piece = tuple(_local(p).shape)
+            whole = layout.of(p)[1].shape if layout is not None else piece
+            entries.append((piece, whole, group.get("kind", "matrix")))
+    if layout is None or spec.piece_state_bytes is None:
+        return _total(spec, cfg, [(piece, kind) for piece, _, kind in entries])
+    shared = (
+        spec.shared_state_bytes([w for _, w, _ in entries], cfg) if spec.shared_state_bytes else 0
+    )
+    return shared + sum(spec.piece_state_bytes(pc, w, k, cfg) for pc, w, k in entries)
 
 
 def _total(spec: OptimizerSpec, cfg: OptimizerConfig, shapes) -> int:

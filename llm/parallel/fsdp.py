@@ -52,7 +52,7 @@ from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors
 from llm.models import WeightSource, model_blocks
-from llm.optim import ParamLayout, ShardLayout
+from llm.optim import OPTIMIZERS, ParamLayout, ShardLayout
 from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
 from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
@@ -156,8 +156,9 @@ class FSDPStrategy(SingleStrategy):
         optimizer.whole_param_squares = functools.partial(
             summed_squares, owners=list(range(n)), n_params=n, device=self.device, group=shard_group
         )
-        if hasattr(optimizer, "shard_layout"):  # Adafactor, Muon: whole-matrix sums
+        if hasattr(optimizer, "shard_layout"):  # Adafactor, Muon, 8-bit AdamW
             optimizer.shard_layout = self._shard_layout(optimizer, shard_group)
+            _refuse_straddled_blocks(model, optimizer.shard_layout, cfg)
         return optimizer
 
     def _shard_layout(self, optimizer, group) -> ShardLayout:
@@ -206,6 +207,33 @@ class FSDPStrategy(SingleStrategy):
 
     def comm(self) -> dict[str, int]:
         return self.counter.take() | self.tp_comm()
+
+
+def _refuse_straddled_blocks(model: nn.Module, layout: ShardLayout, cfg: OptimizerConfig) -> None:
+    """8-bit AdamW: FSDP2 cuts dim 0 every ceil(rows / N) rows and pads nothing we could
+    move. Each quantised tensor's cuts must fall on its 256-element blocks, and each rank's
+    blocks must be the ones torch.chunk gives it of the absmax vector (its state is a DTensor
+    sharded as the parameter, llm/optim/adamw8bit.py). Else refused, naming the tensor."""
+    block = OPTIMIZERS[cfg.name].quant_block
+    if not block:
+        return
+    for name, p in model.named_parameters():
+        pl = layout.params[layout.index[id(p)]] if id(p) in layout.index else None
+        if pl is None or pl.numel < cfg.min_8bit_size:
+            continue
+        blocks = -(-pl.numel // block)
+        chunk = -(-blocks // len(pl.ranges))
+        for r, (lo, hi) in enumerate(pl.ranges):
+            given = (min(r * chunk, blocks), min((r + 1) * chunk, blocks))
+            held = (lo // block, -(-hi // block)) if hi > lo else None
+            if lo % block or held != (given if given[1] > given[0] else None):
+                raise ConfigError(
+                    f"optimizer={cfg.name} under parallelism=fsdp on {len(pl.ranges)} ranks: "
+                    f"{name} {pl.shape} is cut inside or across its {block}-element quantisation "
+                    "blocks (FSDP shards dim 0 every ceil(rows / ranks) rows); use "
+                    f"parallelism=zero1-3, which aligns its cuts, or optimizer.min_8bit_size "
+                    f"above {pl.numel}"
+                )
 
 
 def _local_region(param: DTensor) -> list[tuple[int, int]]:

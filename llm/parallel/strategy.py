@@ -108,6 +108,10 @@ class StrategyBase:
         self.optimizer: torch.optim.Optimizer | None = None
         self._mesh_counter: MeshCommCounter | None = None
         self.schedule: Pipeline | None = None
+        # Elements per quantisation block of the optimizer to come (8-bit AdamW: 256), so
+        # that a strategy that cuts parameters cuts them at block boundaries; set before wrap
+        # (build_strategy does, from the run's optimizer).
+        self.quant_block = 1
 
     def _attach_pipeline(self, model: nn.Module, grad_sync: GradSync | None = None) -> None:
         """Under pipeline parallel (``model`` is this rank's PipelinePart, materialised and
@@ -157,8 +161,9 @@ class StrategyBase:
 # (dim-0 shards) run element-wise optimizers as they are, give LAMB whole-parameter norms
 # through `whole_param_squares` (one all-reduce of two floats per parameter per step), and
 # Adafactor and Muon a `shard_layout` (every rank's range of every parameter), over which
-# they sum their statistics or make whole matrices (llm/optim/shard_layout.py).
-SHARDED_LAYOUTS = frozenset({ELEMENTWISE, PARAM_NORMS, WHOLE_MATRICES})
+# they sum their statistics or make whole matrices (llm/optim/shard_layout.py); 8-bit AdamW's
+# blocks do not straddle a cut (our ZeRO aligns its cuts, FSDP checks its own).
+SHARDED_LAYOUTS = frozenset({ELEMENTWISE, PARAM_NORMS, WHOLE_MATRICES, QUANT_BLOCKS})
 WHY_NOT = {
     WHOLE_MATRICES: "its row/column statistics or Newton-Schulz products need whole matrices "
     "and {strategy} gives each rank a slice of them",
@@ -256,4 +261,8 @@ def build_strategy(
     if getattr(strategy, "needs_run_config", False):
         # DeepSpeed builds its engine from batch sizes, clipping and optimizer settings too.
         return strategy(cfg, dims, precision, device, loss_scaler, run_config=run_config)
-    return strategy(cfg, dims, precision, device, loss_scaler)
+    built = strategy(cfg, dims, precision, device, loss_scaler)
+    spec = OPTIMIZERS.get(run_config.optimizer.name) if run_config is not None else None
+    if spec is not None and spec.quant_block:
+        built.quant_block = spec.quant_block
+    return built

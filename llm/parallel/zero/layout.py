@@ -92,12 +92,16 @@ def build_buckets(
     world: int,
     shape_of: ShapeOf = local_shape,
     alone: nn.Parameter | None = None,
+    align: int = 1,
 ) -> list[Bucket]:
     """Pack ``(name, param, unit)`` in order into buckets; a new bucket starts when the
     current one would pass ``bucket_numel``, the unit changes or ``requires_grad`` does.
     ``shape_of(param)``: what of the parameter this rank buckets. ``alone``: a parameter
     given a bucket of its own (a pipeline's tied embedding copy: both copies then split
-    the same way over the dp ranks, and their reduced shards add up element by element)."""
+    the same way over the dp ranks, and their reduced shards add up element by element).
+    ``align``: every parameter starts at a multiple of it in its bucket (zeros between) and
+    every rank's slice is a multiple of it long, so each cut falls on a multiple of
+    ``align`` elements of every parameter (8-bit AdamW's 256-element quantisation blocks)."""
     buckets: list[Bucket] = []
     for name, param, unit in named_params:
         shape = torch.Size(shape_of(param))
@@ -107,18 +111,23 @@ def build_buckets(
             current is None
             or current.unit != unit
             or current.trainable != param.requires_grad
-            or (current.numel and current.numel + numel > bucket_numel)
+            or (current.numel and _up(current.numel, align) + numel > bucket_numel)
             or param is alone
             or any(slot.param is alone for slot in current.slots)
         ):
             current = Bucket(index=len(buckets), unit=unit, trainable=param.requires_grad)
             buckets.append(current)
-        current.slots.append(Slot(param_name(name), param, current.numel, numel, shape))
-        current.numel += numel
+        offset = _up(current.numel, align)
+        current.slots.append(Slot(param_name(name), param, offset, numel, shape))
+        current.numel = offset + numel
     for bucket in buckets:
-        bucket.shard = -(-bucket.numel // world)
+        bucket.shard = _up(-(-bucket.numel // world), align)
         bucket.padded = bucket.shard * world
     return buckets
+
+
+def _up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def model_buckets(
@@ -129,13 +138,14 @@ def model_buckets(
     world: int,
     shape_of: ShapeOf = local_shape,
     alone: nn.Parameter | None = None,
+    align: int = 1,
 ) -> list[Bucket]:
     """The buckets of ``model`` (meta or materialised) under ZeRO ``stage`` on ``world``
     data-parallel ranks: the strategy builds its buffers from them and llm.estimate sizes
     them (a plain meta model, with tensor parallel's local shapes as ``shape_of``), so the
     estimate is this layout. Stage 3's gather units are the blocks in order, then the root
     (everything outside ``model.layers``); stages 1-2 keep model order in one unit.
-    ``alone``: build_buckets'."""
+    ``alone``, ``align``: build_buckets'."""
     blocks = model_blocks(model)
     root = len(blocks) if stage == 3 else 0
     unit_of = {}
@@ -149,4 +159,4 @@ def model_buckets(
     if stage == 3:
         named.sort(key=lambda item: item[2])  # blocks in order, then the root
     bucket_numel = max(1, int(bucket_cap_mb * 2**20 / working_itemsize))
-    return build_buckets(named, bucket_numel, world, shape_of, alone)
+    return build_buckets(named, bucket_numel, world, shape_of, alone, align)

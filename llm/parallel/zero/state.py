@@ -48,7 +48,9 @@ def _local_layout(strategy) -> tuple[list[list[str]], dict[str, dict]]:
     """This rank's view of the optimizer: parameter names per group, and per parameter its
     state keys by kind: ``moments`` (element-wise, the piece's shape: exp_avg, ...),
     ``whole`` (the whole parameter's, kept by every rank holding a piece: Adafactor's row
-    and column statistics) and ``scalars`` (AdamW's ``step``) with their values."""
+    and column statistics, bitsandbytes' quantisation maps), ``blocks`` (one value per
+    quantisation block: 8-bit AdamW's absmaxes) and ``scalars`` (AdamW's ``step``) with
+    their values."""
     optimizer = strategy.optimizer
     names: list[list[str]] = [[] for _ in optimizer.param_groups]
     group_of = {id(t): i for i, g in enumerate(optimizer.param_groups) for t in g["params"]}
@@ -57,13 +59,32 @@ def _local_layout(strategy) -> tuple[list[list[str]], dict[str, dict]]:
         group = names[group_of[id(tensor)]]
         if piece.slot.name not in group:
             group.append(piece.slot.name)
-        kinds = keys.setdefault(piece.slot.name, {"moments": [], "whole": [], "scalars": {}})
+        kinds = keys.setdefault(piece.slot.name, _no_keys())
         for k, v in optimizer.state[tensor].items():
             if not (torch.is_tensor(v) and v.dim()):
                 kinds["scalars"][k] = v.item() if torch.is_tensor(v) else v
-            elif k not in kinds["moments"] + kinds["whole"]:
-                kinds["moments" if v.shape == tensor.shape else "whole"].append(k)
+            elif k not in kinds["moments"] + kinds["whole"] + kinds["blocks"]:
+                kinds[_kind(k, v, tensor)].append(k)
     return names, keys
+
+
+# bitsandbytes' state by name, since shapes can coincide (a 256-element piece and its
+# 256-entry quantisation map): per-block absmaxes (absmax1, absmax2), one value per block of
+# the piece, whose blocks are its parameter's (the buckets are aligned to them); and the
+# quantisation maps (qmap1, qmap2), the same on every rank.
+BLOCK_STATE, SHARED_STATE = "absmax", "qmap"
+
+
+def _kind(key: str, value: torch.Tensor, piece: torch.Tensor) -> str:
+    if key.startswith(BLOCK_STATE):
+        return "blocks"
+    if key.startswith(SHARED_STATE) or value.shape != piece.shape:
+        return "whole"
+    return "moments"
+
+
+def _no_keys() -> dict:
+    return {"moments": [], "whole": [], "blocks": [], "scalars": {}}
 
 
 def _agreed_layout(strategy) -> tuple[list[list[str]], dict[str, dict]]:
@@ -114,11 +135,15 @@ def checkpoint_state(strategy) -> dict:
             shape = slot.param.shape
             block = _placed(strategy, slot)
             model_sd[slot.name] = flat_shard(shape, start, tensor, block)
-            kinds = keys.get(slot.name, {"moments": [], "whole": [], "scalars": {}})
-            optim_state[slot.name] = (
+            kinds = keys.get(slot.name, _no_keys())
+            qb = strategy.quant_block
+            blocks = (-(-shape.numel() // qb),)
+            optim_state[slot.name] = _nested_as_bitsandbytes(
+                optimizer,
                 {k: flat_shard(shape, start, state.get(k), block) for k in kinds["moments"]}
+                | {k: flat_shard(blocks, start // qb, state.get(k)) for k in kinds["blocks"]}
                 | {k: state[k] for k in kinds["whole"] if piece}
-                | {k: _scalar(v) for k, v in kinds["scalars"].items()}
+                | {k: _scalar(v) for k, v in kinds["scalars"].items()},
             )
     for name, value in strategy.model.state_dict(keep_vars=True).items():
         name = param_name(name)
@@ -134,6 +159,18 @@ def checkpoint_state(strategy) -> dict:
         "optimizer": {"state": optim_state, "param_groups": groups},
         "loss_scaler": strategy.scaler.state_dict(),
     }
+
+
+def _nested_as_bitsandbytes(optimizer, entries: dict) -> dict:
+    """bitsandbytes' state_dict nests its quantisation state (state1, absmax1, qmap1, ...)
+    under one key per parameter; nested the same here, the keys are one process's and
+    FSDP's, so a checkpoint moves between them."""
+    nest = getattr(optimizer, "_FSDP_WRAPPED_QUANT_STATE_KEY", None)
+    if nest is None:
+        return entries
+    inner = {k: v for k, v in entries.items() if k in optimizer.non_castable_tensor_keys}
+    outer = {k: v for k, v in entries.items() if k not in inner}
+    return outer | ({nest: inner} if inner else {})
 
 
 def _frozen_state(strategy, buf) -> dict:
@@ -158,8 +195,8 @@ def restore_state(strategy, loaded: dict) -> None:
     for piece, tensor in strategy.piece_params:
         state = optimizer.state[tensor]
         for k, v in states[piece.slot.name].items():
-            if isinstance(v, FlatShard) or (torch.is_tensor(v) and v.dim()):
-                continue  # moments and whole tensors: loaded in place
+            if isinstance(v, FlatShard | dict) or (torch.is_tensor(v) and v.dim()):
+                continue  # moments, whole tensors and bitsandbytes' nest: loaded in place
             held = state.get(k)
             state[k] = held.fill_(v) if torch.is_tensor(held) else _plain(v)
     for g, saved in zip(optimizer.param_groups, loaded["optimizer"]["param_groups"], strict=True):

@@ -44,9 +44,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from llm.config import OptimizerConfig
+from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors, state_bytes
 from llm.models import LocalSource, ModuleSource, WeightSource, materialize_from, model_blocks
 from llm.optim import (
+    OPTIMIZERS,
     GradientPass,
     ParamLayout,
     ShardLayout,
@@ -142,6 +144,7 @@ class ZeroStrategy(StrategyBase):
             policy.working_dtype.itemsize,
             self.world,
             alone=tied,
+            align=self.quant_block,
         )
         master_device = torch.device("cpu") if self.cfg.offload_optimizer else self.device
         return [
@@ -170,6 +173,13 @@ class ZeroStrategy(StrategyBase):
 
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         refuse_optimizer(self.name, cfg.name, tp_size=self.dims.tp_size)
+        block = OPTIMIZERS[cfg.name].quant_block if cfg.name in OPTIMIZERS else 0
+        if block and self.quant_block % block:
+            raise ConfigError(
+                f"optimizer={cfg.name} needs {self.name}'s cuts on {block}-element boundaries, "
+                "but the buckets were laid out without them; build the strategy with "
+                "build_strategy(..., run_config=cfg) or set strategy.quant_block before wrap"
+            )
         # The factory's groups (weight decay or not, per parameter) carried over to pieces.
         factory_groups = optimizer_param_groups(model, cfg)
         group_of = {p: i for i, g in enumerate(factory_groups) for p in g["params"]}
