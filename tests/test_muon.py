@@ -82,3 +82,27 @@ def test_one_rank_exchanges_return_whole_matrices_and_pieces():
     back = exchange.from_owners(exchange.to_owners(pieces))
     assert all(torch.equal(back[i], pieces[i]) for i in pieces)
     assert counted == [("optim.all_gather", 48), ("optim.all_to_all", 48), ("optim.all_to_all", 48)]
+
+
+def test_counted_comm_and_flops_equal_the_layouts_formula():
+    """benchmarks/muon_modes.py on 2 gloo ranks: per rank, the bytes the strategy's counter
+    measured equal muon_costs' formula, and the FLOPs torch's counter measured in the
+    optimizer step equal Newton-Schulz's formula, for both modes under zero2 and fsdp."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = [sys.executable, "-m", "benchmarks.muon_modes", "--model", "llama-tiny"]
+    command += ["--world", "2", "--steps", "1"]
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(command, cwd=repo, check=True, capture_output=True, text=True).stdout
+    rows = [
+        line.split("|")[1:-1]
+        for line in out.splitlines()
+        if line.startswith("| zero2") or line.startswith("| fsdp")
+    ]
+    assert len(rows) == 4
+    for cells in rows:
+        sent, formula, flops, flops_sum, flops_formula = (c.strip() for c in cells[2:7])
+        assert sent == formula and float(sent) > 0, cells
+        assert flops_formula == f"{flops}, {flops_sum}", cells

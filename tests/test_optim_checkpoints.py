@@ -45,7 +45,7 @@ def test_resume_is_bitwise(tmp_path, text_corpus, cache_dir, name):
 # Under sharding, the optimizers whose step spans whole matrices (a ShardLayout): Muon's
 # momentum pieces in both modes, Adafactor's whole row and column statistics.
 SHARDED_RESUME = [
-    ("adafactor", "zero2", "optimizer.distributed=gather"),
+    pytest.param("adafactor", "zero2", "optimizer.distributed=gather", marks=pytest.mark.slow),
     pytest.param("muon", "zero3", "optimizer.distributed=gather", marks=pytest.mark.slow),
     pytest.param("muon", "fsdp", "optimizer.distributed=owner", marks=pytest.mark.slow),
     pytest.param("adafactor", "fsdp", "optimizer.distributed=gather", marks=pytest.mark.slow),
@@ -76,7 +76,7 @@ def test_sharded_resume_is_bitwise(tmp_path, text_corpus, cache_dir, name, strat
 # (saved by, its ranks, resumed by): optimizers move between world sizes and strategies.
 RESHARD = [
     ("lamb", "zero2", 2, "single"),
-    ("muon", "fsdp", 2, "zero1"),
+    pytest.param("muon", "fsdp", 2, "zero1", marks=pytest.mark.slow),
     pytest.param("adamw8bit", "zero3", 2, "single", marks=pytest.mark.slow),
     pytest.param("adafactor", "zero2", 2, "single", marks=pytest.mark.slow),
     pytest.param("adafactor", "single", 1, "fsdp", marks=pytest.mark.slow),
