@@ -1,11 +1,12 @@
 """8-bit AdamW on pieces of a parameter (llm/optim/adamw8bit.py) quantises exactly as
 bitsandbytes does on the whole tensor in one process, when the pieces are cut at block
 boundaries, and differs when they are not (the cut our ZeRO and FSDP avoid). One process:
-bitsandbytes' step has no collective, so two pieces in one optimizer stand for two ranks."""
+bitsandbytes' step has no collective, so two pieces in one optimizer stand for two ranks.
+bitsandbytes is imported inside the tests: the GPU pass collects this file where it is
+absent (tests/test_gpu_pass.py)."""
 
 from __future__ import annotations
 
-import bitsandbytes as bnb
 import pytest
 import torch
 
@@ -21,6 +22,8 @@ def _grads(steps: int) -> list[torch.Tensor]:
 
 
 def _whole(weights: torch.Tensor, steps: int):
+    import bitsandbytes as bnb
+
     p = torch.nn.Parameter(weights.clone())
     opt = bnb.optim.AdamW8bit([p], lr=1e-2, min_8bit_size=MIN_8BIT)
     for grad in _grads(steps):
@@ -68,6 +71,8 @@ def test_a_cut_inside_a_block_quantises_otherwise():
 @pytest.mark.parametrize("cut", [1024, 1000])
 def test_without_a_layout_a_small_piece_keeps_32_bit_moments(cut):
     """bitsandbytes' own rule, on a piece alone: what the layout corrects."""
+    import bitsandbytes as bnb
+
     p = torch.nn.Parameter(torch.zeros(cut))
     opt = bnb.optim.AdamW8bit([p], min_8bit_size=MIN_8BIT)
     p.grad = torch.ones(cut)
