@@ -29,7 +29,7 @@ train: $(STAMP) ## run the default training (small GPT, BPE, standard-library co
 	$(PY) train.py $(ARGS)
 
 test: $(STAMP) ## the fast test suite (CI runs this)
-	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" --durations=25 $(ARGS)
 
 test-slow: $(STAMP) ## the slow tests (longer runs, bigger shapes); SHARD=checkpoints|parallel|training runs a third
 	files=$$($(PY) scripts/slow_shards.py $(SHARD)) && $(PY) -m pytest -m "slow and not gpu" $$files $(ARGS)

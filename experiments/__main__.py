@@ -1,4 +1,4 @@
-"""`python -m experiments run NAME [scale=small|medium|gpu] [override ...]`: run an experiment's
+"""`python -m experiments run NAME [scale=small|medium|gpu|sharded] [override ...]`: run an experiment's
 sweep, then write its report. `python -m experiments report SWEEP_DIR`: (re)write the
 report of a sweep. `python -m experiments publish SWEEP_DIR`: copy its report.md and PNGs to
 docs/experiments/<config>/. `python -m experiments list`: the experiments and their scales."""
@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "overrides",
         nargs="*",
-        help="scale=small|medium|gpu (medium: optimizers only), then train.py overrides",
+        help="scale=small|medium|gpu|sharded (medium, sharded: optimizers only), then "
+        "train.py overrides",
     )
     run.add_argument("--publish", action="store_true", help="then copy it to docs/experiments/")
     report = sub.add_parser("report", help="write report.md and plots of a sweep directory")

@@ -24,6 +24,8 @@ from experiments.claims import (
     compare,
     fmt,
 )
+from experiments.optimizers_sharded import is_sharded
+from experiments.optimizers_sharded import report as sharded_report
 from experiments.sweep import Job
 
 REFS = "docs/references.md"
@@ -287,6 +289,8 @@ def _speedup_row(jobs, key, opt, best_run, adamw_job, adamw_final, no_adamw, pap
 
 
 def report(jobs: list[Job]) -> list[Table]:
+    if is_sharded(jobs):  # scale=sharded: no lr grid, strategies side by side
+        return sharded_report(jobs)
     grid = _by_optimizer_lr(jobs)
     bests = {opt: b for opt, runs in grid.items() if (b := best(runs)) is not None}
     adamw = bests.get("adamw")
@@ -405,6 +409,8 @@ def seed_band(seeds: list[Job]) -> tuple[list[int], list[float], list[float], li
 
 
 def plots(jobs: list[Job]) -> dict:
+    if is_sharded(jobs):
+        return {}
     grid = _by_optimizer_lr(jobs)
     fig, ax = plt.subplots(figsize=(7, 4))
     for opt, runs in grid.items():

@@ -36,8 +36,8 @@ EXPERIMENTS = (
 
 def experiment_module(config: str):
     """The module of an experiment config: ``zero_memory_gpu`` -> experiments.zero_memory,
-    ``optimizers_medium`` -> experiments.optimizers."""
-    name = config.removesuffix("_gpu").removesuffix("_medium")
+    ``optimizers_medium`` and ``optimizers_sharded`` -> experiments.optimizers."""
+    name = config.removesuffix("_gpu").removesuffix("_medium").removesuffix("_sharded")
     if name not in EXPERIMENTS:
         raise ConfigError(f"no experiment named {name}; choose one of {', '.join(EXPERIMENTS)}")
     return importlib.import_module(f"experiments.{name}")

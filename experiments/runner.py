@@ -26,7 +26,9 @@ from llm.train.stop import STOP_CODES
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
-SCALES = ("small", "medium", "gpu")  # medium: a longer CPU run, where an experiment has one
+# medium: a longer CPU run, sharded: the same under sharded strategies, where an experiment
+# has them
+SCALES = ("small", "medium", "gpu", "sharded")
 REQUIRED_SCALES = ("small", "gpu")
 
 

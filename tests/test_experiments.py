@@ -816,3 +816,34 @@ def test_the_follow_up_sweeps_compose_and_validate():
     jobs = sweep_jobs("optimizers", extension)
     assert len(jobs) == 3  # the command line's keys replace the grid's axes
     _dry_run("optimizers", jobs, check=True)
+
+
+def test_optimizers_sharded_report_sets_each_strategy_against_its_ddp_run(tmp_path):
+    """scale=sharded: a loss gap beyond the tolerance is "no", within it "yes"; state per
+    rank against ddp's / N and comm against ddp's come from the per-rank summaries."""
+    sweep = _sweep(tmp_path, "optimizers_sharded")
+
+    def summary(state, comm, loss):
+        ranks = [{"params": 1, "grads": 1, "optimizer_states": state}] * 4
+        return {"world_size": 4, "model_state_bytes": ranks, "final_train_loss": loss,
+                "comm_bytes_per_step": [{"all_reduce": comm}] * 4,
+                "hardware": {"cpu": "test", "cpu_count": 2}}  # fmt: skip
+
+    def losses(*values):
+        return [{"step": i + 1, "loss": v} for i, v in enumerate(values)]
+
+    cases = [
+        ("ddp", 8000, 2e6, losses(5.0, 4.0)),
+        ("zero2", 2000, 3e6, losses(5.0, 4.00001)),  # 2.5e-6 relative: equal
+        ("fsdp", 2400, 3e6, losses(5.0, 4.01)),  # 2.5e-3: not equal
+    ]
+    for num, (strategy, state, comm, metrics) in enumerate(cases):
+        overrides = ["optimizer=lion", f"parallelism={strategy}"]
+        config = {"optimizer": {"name": "lion"}, "parallelism": {"name": strategy}}
+        loss = metrics[-1]["loss"]
+        _job(sweep, num, overrides, config, summary(state, comm, loss), metrics)
+    (table,) = experiment_module("optimizers_sharded").report(load_jobs(sweep))
+    rows = {row[1]: row for row in table.rows}
+    assert rows["zero2"][4] == "yes" and rows["fsdp"][4] == "no"
+    assert rows["zero2"][6] == "1.000" and rows["fsdp"][6] == "1.200"
+    assert rows["zero2"][8] == "1.50" and rows["ddp"][4] == "-"

@@ -1,6 +1,6 @@
-"""Every private or deprecated symbol of torch and DeepSpeed the repo relies on, touched in
-one place: an upgrade that removes or renames one fails here, by name, instead of deep in
-a run. docs/design.md ("Private APIs we rely on") says why each is needed and where.
+"""Every private or deprecated symbol of torch, DeepSpeed and bitsandbytes the repo relies
+on, touched in one place: an upgrade that removes or renames one fails here, by name,
+instead of deep in a run. docs/design.md ("Private APIs we rely on") says why each is needed and where.
 Each row: (what we use, where, how to reach it)."""
 
 from __future__ import annotations
@@ -102,3 +102,31 @@ def test_deepspeed_private_functions_exist():
 
     assert callable(groups._release_process_group_references)
     assert callable(DeepSpeedEngine._get_optimizer_loss_scale)
+
+
+def test_bitsandbytes_internals_our_sharded_adamw8bit_relies_on():
+    """llm/optim/adamw8bit.py overrides get_config, init_state and update_step (the size
+    rule from the whole tensor; DTensors stepped on their local shards) and
+    llm/parallel/zero/state.py nests the quantisation state under bitsandbytes' own key."""
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.optimizer.Optimizer8bit
+    assert cls._FSDP_WRAPPED_QUANT_STATE_KEY == "__bnb_optimizer_quant_state__"
+    for name in ("get_config", "init_state", "update_step"):
+        assert callable(getattr(cls, name)), name
+    assert list(inspect.signature(cls.init_state).parameters) == [
+        "self",
+        "group",
+        "p",
+        "gindex",
+        "pindex",
+    ]
+    opt = bnb.optim.AdamW8bit([torch.nn.Parameter(torch.zeros(4))])
+    assert {
+        "state1",
+        "state2",
+        "absmax1",
+        "absmax2",
+        "qmap1",
+        "qmap2",
+    } <= opt.non_castable_tensor_keys
