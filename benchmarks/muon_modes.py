@@ -15,7 +15,9 @@ and FLOPs do not depend on the machine.
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--strategies", default="zero2,fsdp")
     p.add_argument("--steps", type=int, default=2, help="the last one is measured")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--json", default="", help="also write every rank's raw figures here")
     a = p.parse_args(argv)
     jobs = [(s, m) for s in a.strategies.split(",") for m in ("gather", "owner")]
     results = mp.Manager().dict()
@@ -121,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         f"Muon's distributed modes: {a.model}, {a.world} gloo ranks, fp32, Newton-Schulz in fp32\n"
     )
     print(table(dict(results), jobs, a.world))
+    if a.json:
+        raw = [{"strategy": s, "mode": m, "rank": r, **v} for (s, m, r), v in results.items()]
+        Path(a.json).write_text(json.dumps(raw, indent=1) + "\n")
 
 
 if __name__ == "__main__":
