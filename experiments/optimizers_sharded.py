@@ -7,7 +7,7 @@ lr under ddp, zero2 and fsdp on the same ranks, and per optimizer and strategy:
   every matrix it holds a piece of factored whole; 8-bit AdamW's absmaxes and our ZeRO's
   block padding);
 - the communication per step (every collective the strategy counted, summed over kinds,
-  the largest rank) against ddp's.
+  the largest rank) against ddp's, as payloads and as the bytes a ring sends.
 The jobs come from conf/experiment/optimizers_sharded.yaml; experiments/optimizers.py hands
 its report here when a sweep's jobs name a parallelism.
 """
@@ -52,9 +52,22 @@ def _state(job: Job) -> int:
     return max(rank["optimizer_states"] for rank in job.summary["model_state_bytes"])
 
 
-def _comm(job: Job) -> float:
+def _comm(job: Job, ring: bool = False) -> float:
+    """The largest rank's payload per step, summed over kinds; ``ring``: the bytes a ring
+    implementation sends for it, (N-1)/N of an all-gather's, reduce-scatter's or
+    all-to-all's payload and 2(N-1)/N of an all-reduce's (llm/parallel/comm_counter.py)."""
+    n = job.summary["world_size"]
+
+    def sent(kind: str, payload: float) -> float:
+        if not ring:
+            return payload
+        return payload * (n - 1) / n * (2 if kind.endswith("all_reduce") else 1)
+
     per_rank = job.summary.get("comm_bytes_per_step") or []
-    return max((sum(kinds.values()) for kinds in per_rank if isinstance(kinds, dict)), default=0.0)
+    totals = [
+        sum(sent(k, v) for k, v in kinds.items()) for kinds in per_rank if isinstance(kinds, dict)
+    ]
+    return max(totals, default=0.0)
 
 
 def report(jobs: list[Job]) -> list[Table]:
@@ -66,14 +79,15 @@ def report(jobs: list[Job]) -> list[Table]:
         ddp = by_strategy.get("ddp")
         for strategy, job in sorted(by_strategy.items()):
             if job.failed:
-                rows.append((opt, strategy, f"FAILED: {job.error}", *["-"] * 6))
+                rows.append((opt, strategy, f"FAILED: {job.error}", *["-"] * 7))
                 continue
             ranks = job.summary["world_size"]
             rtol = LOSS_RTOL.get(opt, DEFAULT_RTOL)
             gap = loss_gap(job, ddp) if ddp is not None and not ddp.failed else None
             verdict = "-" if strategy == "ddp" else _verdict(gap, rtol)
             target = _state(ddp) / ranks if ddp is not None and not ddp.failed else None
-            comm_ddp = _comm(ddp) if ddp is not None and not ddp.failed else None
+            ok = ddp is not None and not ddp.failed
+            comm_ddp, ring_ddp = (_comm(ddp), _comm(ddp, ring=True)) if ok else (None, None)
             rows.append(
                 (
                     opt,
@@ -85,6 +99,7 @@ def report(jobs: list[Job]) -> list[Table]:
                     f"{_state(job) / target:.3f}" if target else "n/a",
                     f"{_comm(job) / 1e6:.3f}",
                     f"{_comm(job) / comm_ddp:.2f}" if comm_ddp else "n/a",
+                    f"{_comm(job, ring=True) / ring_ddp:.2f}" if ring_ddp else "n/a",
                 )
             )
     return [
@@ -100,6 +115,7 @@ def report(jobs: list[Job]) -> list[Table]:
                 "/ (ddp's / N)",
                 "comm per step per rank, max (MB)",
                 "/ ddp's",
+                "ring bytes / ddp's",
             ),
             rows,
             note="Equal: every logged training loss within "
@@ -107,7 +123,10 @@ def report(jobs: list[Job]) -> list[Table]:
             f"{LOSS_RTOL['adamw8bit']:g}). State: bytes the largest rank holds, measured in "
             "its storages, against ddp's whole state divided by the ranks (1 is what "
             "sharding promises). Comm: payload bytes of every collective the strategy "
-            "counted (parallelism.count_comm), summed over kinds, the largest rank.",
+            "counted (parallelism.count_comm), summed over kinds, the largest rank; payloads "
+            "count an all-reduce's buffer once and a reduce-scatter plus an all-gather twice, "
+            "so the ring bytes (what a ring implementation sends: 2(N-1)/N of an all-reduce, "
+            "(N-1)/N of the others) are the like-for-like comparison.",
         )
     ]
 

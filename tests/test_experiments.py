@@ -847,3 +847,4 @@ def test_optimizers_sharded_report_sets_each_strategy_against_its_ddp_run(tmp_pa
     assert rows["zero2"][4] == "yes" and rows["fsdp"][4] == "no"
     assert rows["zero2"][6] == "1.000" and rows["fsdp"][6] == "1.200"
     assert rows["zero2"][8] == "1.50" and rows["ddp"][4] == "-"
+    assert rows["zero2"][9] == "1.50"  # all-reduce on both sides: ring bytes scale alike
