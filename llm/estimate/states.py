@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig
-from llm.optim import OPTIMIZERS
+from llm.optim import OPTIMIZERS, optimizer_param_groups, pieces_state_bytes
 from llm.parallel.pipeline import PipelinePart
 from llm.parallel.tensor_parallel import tp_local_shapes
 from llm.parallel.zero.layout import model_buckets
@@ -47,15 +47,18 @@ class RankStates:
         return sum(self.device.values())
 
 
-def _kind(shape: tuple[int, ...]) -> str:
-    # llm.optim.factory.param_groups: >= 2-D parameters decay ("matrix"), the rest do not.
-    return "matrix" if len(shape) >= 2 else "vector"
+def _kinds(model: nn.Module, opt: OptimizerConfig) -> dict[int, str]:
+    """id(parameter) -> its param group's kind, as the optimizer will group it
+    (llm.optim.factory: "matrix", "vector", and Muon's "hidden")."""
+    return {id(p): g["kind"] for g in optimizer_param_groups(model, opt) for p in g["params"]}
 
 
-def _opt_bytes(cfg: OptimizerConfig, shapes: list[tuple[tuple[int, ...], str]]) -> int:
-    spec = OPTIMIZERS[cfg.name]
-    shared = spec.shared_state_bytes([s for s, _ in shapes], cfg) if spec.shared_state_bytes else 0
-    return shared + sum(spec.state_bytes(s, k, cfg) for s, k in shapes)
+def _opt_bytes(
+    cfg: OptimizerConfig, shapes: list[tuple[tuple[int, ...], str, tuple[int, ...]]]
+) -> int:
+    """``(held shape, group kind, whole shape)``: the optimizer's state for what a rank
+    holds of each parameter (whole-matrix and 8-bit rules read the whole shape)."""
+    return pieces_state_bytes(cfg, [(held, whole, kind) for held, kind, whole in shapes])
 
 
 def model_states(
@@ -72,25 +75,28 @@ def model_states(
     dp = world // (tp * par.pp_size)
     dp_rank = (rank // tp) % dp
     shapes = tp_local_shapes(model, tp, rank % tp)
+    kinds = _kinds(model, opt)
     if par.name in ("single", "ddp"):
-        return _replica(params, shapes, policy, opt)
+        return _replica(params, shapes, policy, opt, kinds)
     if par.name == "fsdp":  # HSDP shards within each of the replicate groups
         shard = dp // par.replicate
-        return _fsdp(params, shapes, policy, opt, shard, dp_rank % shard, par.offload_params)
+        return _fsdp(params, shapes, policy, opt, kinds, shard, dp_rank % shard, par.offload_params)
     if par.name in ("zero1", "zero2", "zero3"):
-        return _zero(model, shapes, par, policy, opt, dp, dp_rank)
+        return _zero(model, shapes, par, policy, opt, kinds, dp, dp_rank)
     return paper_states(
         sum(p.numel() for p in params), world, par.zero_stage, policy, opt, par.offload_optimizer
     )
 
 
-def _replica(params: list[nn.Parameter], shapes, policy: PrecisionPolicy, opt: OptimizerConfig):
+def _replica(
+    params: list[nn.Parameter], shapes, policy: PrecisionPolicy, opt: OptimizerConfig, kinds
+):
     p = policy.param_dtype.itemsize
     trainable = [x for x in params if x.requires_grad]
     out = RankStates()
     out.device["params"] = p * sum(shapes[x].numel() for x in params)
     out.device["grads"] = p * sum(shapes[x].numel() for x in trainable)
-    held = [(tuple(shapes[x]), _kind(tuple(x.shape))) for x in trainable]
+    held = [(tuple(shapes[x]), kinds[id(x)], tuple(shapes[x])) for x in trainable]
     out.device["optimizer_states"] = _opt_bytes(opt, held)
     return out
 
@@ -102,7 +108,7 @@ def fsdp_local_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return max(0, min(chunk, rows - rank * chunk)), chunk
 
 
-def _fsdp(params, shapes, policy, opt, world: int, rank: int, offload: bool) -> RankStates:
+def _fsdp(params, shapes, policy, opt, kinds, world: int, rank: int, offload: bool) -> RankStates:
     """FSDP2 shards dim 0 of what a rank holds: the tp-local block under tensor parallel."""
     p = policy.param_dtype.itemsize
     out = RankStates()
@@ -115,12 +121,14 @@ def _fsdp(params, shapes, policy, opt, world: int, rank: int, offload: bool) -> 
         where["params"] += p * padded * inner
         if x.requires_grad:
             where["grads"] += p * padded * inner
-            held_shapes.append(((held, *local[1:]), _kind(tuple(x.shape))))
+            held_shapes.append(((held, *local[1:]), kinds[id(x)], tuple(local)))
     where["optimizer_states"] += _opt_bytes(opt, held_shapes)
     return out
 
 
-def _zero(model, shapes, par: ParallelismConfig, policy, opt, world: int, rank: int) -> RankStates:
+def _zero(
+    model, shapes, par: ParallelismConfig, policy, opt, kinds, world: int, rank: int
+) -> RankStates:
     """Mirrors llm/parallel/zero/buffers.py after a step, before zero_grad: the working
     buffers (stage 3: only the shard; gathered units are freed), the fp32 gradient shard
     (stage 1 also the persistent working-dtype bucket), the master when it is a separate
@@ -128,7 +136,10 @@ def _zero(model, shapes, par: ParallelismConfig, policy, opt, world: int, rank: 
     stage = int(par.name[-1])
     w, m = policy.working_dtype.itemsize, policy.master_dtype.itemsize
     alone = model.tied_half() if isinstance(model, PipelinePart) else None
-    buckets = model_buckets(model, stage, par.bucket_cap_mb, w, world, shapes.__getitem__, alone)
+    align = OPTIMIZERS[opt.name].quant_block or 1  # 8-bit AdamW: blocks never straddle a cut
+    buckets = model_buckets(
+        model, stage, par.bucket_cap_mb, w, world, shapes.__getitem__, alone, align
+    )
     separate = policy.master_dtype != policy.working_dtype or par.offload_optimizer
     out = RankStates()
     opt_where = out.host if par.offload_optimizer else out.device
@@ -143,8 +154,8 @@ def _zero(model, shapes, par: ParallelismConfig, policy, opt, world: int, rank: 
         if separate:
             opt_where["optimizer_states"] += m * b.shard
         for piece in b.pieces(rank):
-            kind = _kind(tuple(piece.slot.param.shape))
-            shapes.append(((piece.stop - piece.start,), kind))
+            kind = kinds[id(piece.slot.param)]
+            shapes.append(((piece.stop - piece.start,), kind, tuple(piece.slot.shape)))
     opt_where["optimizer_states"] += _opt_bytes(opt, shapes)
     return out
 

@@ -21,6 +21,7 @@ from llm.optim.registry import (
     OptimizerSpec,
     declared_bytes_per_parameter,
     declared_state_bytes,
+    pieces_state_bytes,
     register_optimizer,
 )
 from llm.optim.rounded_update import RoundedUpdate, wrap_optimizer
@@ -60,6 +61,7 @@ __all__ = [
     "optimizer_for_groups",
     "optimizer_param_groups",
     "param_groups",
+    "pieces_state_bytes",
     "register_optimizer",
     "sampled_labels",
     "warmup_note",

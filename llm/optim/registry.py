@@ -95,20 +95,29 @@ def _numel(shape: tuple[int, ...]) -> int:
 def declared_state_bytes(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> int:
     """Bytes of state ``optimizer`` declares for the parameters it holds (after a first
     step: the state is made lazily), read from the spec of ``cfg.name``."""
-    spec = OPTIMIZERS[cfg.name]
     layout = getattr(optimizer, "shard_layout", None)
-    entries = []  # (piece shape, whole shape, group kind)
+    entries = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             piece = tuple(_local(p).shape)
             whole = layout.of(p)[1].shape if layout is not None else piece
             entries.append((piece, whole, group.get("kind", "matrix")))
-    if layout is None or spec.piece_state_bytes is None:
-        return _total(spec, cfg, [(piece, kind) for piece, _, kind in entries])
+    return pieces_state_bytes(cfg, entries)
+
+
+def pieces_state_bytes(
+    cfg: OptimizerConfig, entries: list[tuple[tuple[int, ...], tuple[int, ...], str]]
+) -> int:
+    """Bytes of state over ``(piece shape, whole shape, group kind)`` entries: a tensor the
+    optimizer steps, and the parameter it is part of (the same shape when it is whole). What
+    a rank holds, declared (above) and estimated (llm/estimate/states.py) alike."""
+    spec = OPTIMIZERS[cfg.name]
     shared = (
         spec.shared_state_bytes([w for _, w, _ in entries], cfg) if spec.shared_state_bytes else 0
     )
-    return shared + sum(spec.piece_state_bytes(pc, w, k, cfg) for pc, w, k in entries)
+    if spec.piece_state_bytes is not None:
+        return shared + sum(spec.piece_state_bytes(p, w, k, cfg) for p, w, k in entries)
+    return shared + sum(spec.state_bytes(p, k, cfg) for p, _, k in entries)
 
 
 def _total(spec: OptimizerSpec, cfg: OptimizerConfig, shapes) -> int:
