@@ -280,20 +280,26 @@ def test_lion_as_deepspeed_client_optimizer_matches_single(tmp_path, text_corpus
     against one process (llama-tiny: no key bias, see train() above)."""
     common = ("model=llama-tiny", "optimizer=lion", "optimizer.lr=1e-3", "train.max_steps=8")
     _, ref = run(tmp_path, "single", text_corpus, cache_dir, "train.micro_batch_size=8", *common)
-    _, got = run(
+    got = _deepspeed_on_two_ranks(tmp_path, text_corpus, cache_dir, stage, *common)
+    for step, loss in train_losses(ref).items():
+        assert train_losses(got)[step] == pytest.approx(loss, rel=1e-5), step
+    assert_close_weights(final_weights(ref), final_weights(got), rtol=0, atol=1e-5)
+
+
+def _deepspeed_on_two_ranks(tmp_path, text_corpus, cache_dir, stage: int, *extra: str):
+    """A DeepSpeed run at ZeRO ``stage`` on 2 ranks of 4 sequences each (one process's 8);
+    its output directory."""
+    return run(
         tmp_path,
         f"ds{stage}",
         text_corpus,
         cache_dir,
+        *extra,
         "parallelism=deepspeed",
         f"parallelism.zero_stage={stage}",
         "launcher.nproc_per_node=2",
         "train.micro_batch_size=4",
-        *common,
-    )
-    for step, loss in train_losses(ref).items():
-        assert train_losses(got)[step] == pytest.approx(loss, rel=1e-5), step
-    assert_close_weights(final_weights(ref), final_weights(got), rtol=0, atol=1e-5)
+    )[1]
 
 
 @pytest.fixture(scope="module")
@@ -329,17 +335,7 @@ def test_deepspeed_muon_at_every_stage_matches_one_rank(
     """DeepSpeed's own Muon (MuonWithAuxAdam) on 2 ranks at ZeRO stage 1, 2 and 3, against
     the same optimizer on one rank (fp32: the gradient sums' order differs; measured 6e-6
     relative at stage 3, 0 at stages 1-2 over 6 steps)."""
-    _, got = run(
-        tmp_path,
-        f"ds{stage}",
-        text_corpus,
-        cache_dir,
-        *DS_MUON,
-        "parallelism=deepspeed",
-        f"parallelism.zero_stage={stage}",
-        "launcher.nproc_per_node=2",
-        "train.micro_batch_size=4",
-    )
+    got = _deepspeed_on_two_ranks(tmp_path, text_corpus, cache_dir, stage, *DS_MUON)
     want = train_losses(deepspeed_muon_on_one_rank)
     for step, loss in train_losses(got).items():
         assert loss == pytest.approx(want[step], rel=2e-5), step
@@ -379,16 +375,7 @@ def test_deepspeed_muon_without_clipping_matches_ours(tmp_path, text_corpus, cac
     steps: the two Newton-Schulz forms round differently in bf16)."""
     common = (*DS_MUON, "train.grad_clip=0")
     _, ours = run(tmp_path, "ours", text_corpus, cache_dir, *common, "train.micro_batch_size=8")
-    _, theirs = run(
-        tmp_path,
-        "deepspeed",
-        text_corpus,
-        cache_dir,
-        *common,
-        "parallelism=deepspeed",
-        "launcher.nproc_per_node=2",
-        "train.micro_batch_size=4",
-    )
+    theirs = _deepspeed_on_two_ranks(tmp_path, text_corpus, cache_dir, 2, *common)
     want = train_losses(ours)
     for step, loss in train_losses(theirs).items():
         assert loss == pytest.approx(want[step], rel=2e-4), step

@@ -42,6 +42,16 @@ def _segments(layout: ShardLayout) -> tuple[list[tuple[int, int, int]], int]:
     return out, pos + len(out)
 
 
+def _plan(optimizer, layout: ShardLayout) -> tuple[list, int, dict]:
+    """(segments, buffer length, each piece's element indices by parameter), made on the
+    first step over ``layout`` and kept: a layout does not change during a run."""
+    plan = getattr(optimizer, "_sharded_plan", None)
+    if plan is None or plan[0] is not layout:
+        plan = (layout, *_segments(layout), {})
+        optimizer._sharded_plan = plan
+    return plan[1:]
+
+
 def _indices(pl: ParamLayout, lo: int, hi: int, device) -> tuple[torch.Tensor, ...]:
     """For flat elements [lo, hi) of a (..., n, m) parameter: each one's row (over every
     leading index), column (per leading index) and leading index."""
@@ -55,7 +65,7 @@ def _indices(pl: ParamLayout, lo: int, hi: int, device) -> tuple[torch.Tensor, .
 def sharded_step(optimizer, layout: ShardLayout) -> None:
     """One Adafactor step over this rank's pieces. Every rank calls it, also one holding no
     piece: it is a collective."""
-    segments, length = _segments(layout)
+    segments, length, indices = _plan(optimizer, layout)
     device = next((p.device for g in optimizer.param_groups for p in g["params"]), layout.device)
     sums = torch.zeros(length, device=device)
     items = []
@@ -72,7 +82,9 @@ def sharded_step(optimizer, layout: ShardLayout) -> None:
             sums[w_at] += w.float().square().sum()
             index = None
             if len(pl.shape) > 1:
-                index = _indices(pl, lo, hi, device)
+                if i not in indices:
+                    indices[i] = _indices(pl, lo, hi, device)
+                index = indices[i]
                 square = g * g
                 sums[rows_at:cols_at].index_add_(0, index[0], square)
                 sums[cols_at : cols_at + pl.numel // pl.shape[-2]].index_add_(0, index[1], square)

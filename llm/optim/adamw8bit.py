@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from llm.optim.shard_layout import ShardLayout
 
-BLOCK = 256  # bitsandbytes' block for 8-bit optimizer states
+BNB_BLOCK = 256  # bitsandbytes' block for 8-bit optimizer states
 
 
 @functools.cache
@@ -87,7 +87,7 @@ def _placed_like(p: DTensor, key: str, value):
             value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
         )
     if key in ABSMAXES:  # the strategy checked that torch.chunk splits them as p's rows
-        blocks = -(-p.numel() // BLOCK)
+        blocks = -(-p.numel() // BNB_BLOCK)
         return DTensor.from_local(value, p.device_mesh, p.placements, shape=(blocks,), stride=(1,))
     return value
 

@@ -13,7 +13,7 @@ import torch
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.optim.adafactor import Adafactor
-from llm.optim.adamw8bit import sharded_adamw8bit_class
+from llm.optim.adamw8bit import BNB_BLOCK, sharded_adamw8bit_class
 from llm.optim.lamb import Lamb
 from llm.optim.lion import Lion
 from llm.optim.muon import MuonWithAdamW
@@ -31,7 +31,6 @@ Groups = list[dict[str, Any]]
 # anything exotic) `optimizer.fused` is ignored so one config runs on every machine.
 _FUSED_DEVICE_TYPES = ("cuda", "cpu")
 ADAM_STATE = per_element(8, step_bytes=4)  # exp_avg, exp_avg_sq (fp32) and an fp32 step
-BNB_BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
 BNB_QMAPS = 2 * 256 * 4  # its two quantisation maps (256 fp32 each), shared by all params
 
 

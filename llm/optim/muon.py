@@ -111,7 +111,7 @@ class Muon(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.ns_dtype, self.distributed = ns_dtype, distributed
-        self._owners: dict[int, int] | None = None
+        self._exchange: OwnerExchange | None = None  # made on the first owner-mode step
 
     def make_state(self, p: torch.Tensor, group_index: int = 0) -> dict:
         state = self.state[p]
@@ -158,10 +158,11 @@ class Muon(torch.optim.Optimizer):
                     lo:hi
                 ]
         else:
-            if self._owners is None:
+            if self._exchange is None or self._exchange.layout is not layout:
                 costs = {i: newton_schulz_flops(layout.params[i].shape, steps) for i in wanted}
-                self._owners = balanced_owners(costs, layout.world)
-            exchange = OwnerExchange(layout, wanted, self._owners)
+                owners = balanced_owners(costs, layout.world)
+                self._exchange = OwnerExchange(layout, wanted, owners)
+            exchange = self._exchange
             whole = exchange.to_owners(pieces)
             ortho = {
                 i: newton_schulz(w.view(layout.params[i].shape), steps, self.ns_dtype).reshape(-1)

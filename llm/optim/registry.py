@@ -120,17 +120,12 @@ def pieces_state_bytes(
     return shared + sum(spec.state_bytes(p, k, cfg) for p, _, k in entries)
 
 
-def _total(spec: OptimizerSpec, cfg: OptimizerConfig, shapes) -> int:
-    shared = spec.shared_state_bytes([s for s, _ in shapes], cfg) if spec.shared_state_bytes else 0
-    return shared + sum(spec.state_bytes(s, k, cfg) for s, k in shapes)
-
-
 def declared_bytes_per_parameter(
     cfg: OptimizerConfig, shapes: list[tuple[tuple[int, ...], str]]
 ) -> float:
     """State bytes per parameter element over ``(shape, group kind)`` pairs: the figure
     docs/optimizers.md and the benchmark report."""
-    total = _total(OPTIMIZERS[cfg.name], cfg, shapes)
+    total = pieces_state_bytes(cfg, [(shape, shape, kind) for shape, kind in shapes])
     return total / max(1, sum(_numel(s) for s, _ in shapes))
 
 

@@ -38,6 +38,11 @@ class ParamLayout:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def held(self, rank: int) -> int:
+        """How many of its elements ``rank`` holds."""
+        lo, hi = self.ranges[rank]
+        return hi - lo
+
 
 @dataclass
 class ShardLayout:
@@ -77,13 +82,13 @@ class ShardLayout:
         """Whole parameters ``wanted`` (positions), flat, on every rank: ``local[i]`` is this
         rank's piece of parameter i (flat, its range's length). One all-gather of every
         rank's pieces, each rank's send padded to the longest."""
-        lengths = [sum(_len(self.params[i].ranges[r]) for i in wanted) for r in range(self.world)]
+        lengths = [sum(self.params[i].held(r) for i in wanted) for r in range(self.world)]
         width = max(lengths, default=0)
         dtype = next((t.dtype for t in local.values()), torch.float32)
         send = torch.zeros(width, dtype=dtype, device=self.device)
         pos = 0
         for i in wanted:
-            n = _len(self.params[i].ranges[self.rank])
+            n = self.params[i].held(self.rank)
             if n:
                 send[pos : pos + n] = local[i].reshape(-1)
                 pos += n
@@ -106,10 +111,6 @@ class ShardLayout:
         return whole
 
 
-def _len(span: tuple[int, int]) -> int:
-    return span[1] - span[0]
-
-
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -120,7 +121,7 @@ class OwnerExchange:
     def __init__(self, layout: ShardLayout, wanted: Sequence[int], owners: dict[int, int]):
         self.layout, self.wanted, self.owners = layout, list(wanted), owners
         ranks = range(layout.world)
-        spans = lambda i, r: _len(layout.params[i].ranges[r])  # noqa: E731
+        spans = lambda i, r: layout.params[i].held(r)  # noqa: E731
         me = layout.rank
         # What this rank sends to each rank: its pieces of the matrices that rank owns.
         self.send_sizes = [sum(spans(i, me) for i in self.wanted if owners[i] == d) for d in ranks]
@@ -137,7 +138,7 @@ class OwnerExchange:
                 local[i].reshape(-1).to(layout.device)
                 for d in range(layout.world)
                 for i in self.wanted
-                if self.owners[i] == d and _len(layout.params[i].ranges[me])
+                if self.owners[i] == d and layout.params[i].held(me)
             ]
             or [torch.zeros(0, dtype=dtype, device=layout.device)]
         )
@@ -164,7 +165,7 @@ class OwnerExchange:
                 results[i][slice(*layout.params[i].ranges[s])].to(layout.device)
                 for s in range(layout.world)
                 for i in self.mine
-                if _len(layout.params[i].ranges[s])
+                if layout.params[i].held(s)
             ]
             or [torch.zeros(0, dtype=dtype, device=layout.device)]
         )
@@ -172,7 +173,7 @@ class OwnerExchange:
         pieces, pos = {}, 0
         for d in range(layout.world):
             for i in self.wanted:
-                n = _len(layout.params[i].ranges[me])
+                n = layout.params[i].held(me)
                 if self.owners[i] == d and n:
                     pieces[i] = received[pos : pos + n]
                     pos += n
