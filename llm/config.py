@@ -33,6 +33,27 @@ def _require_choice(owner: str, name: str, value: str, choices: tuple[str, ...])
 
 
 @dataclass
+class MoEConfig:
+    """Overrides of a mixture-of-experts shape's MoEArgs (llm/models/args.py says what each
+    field does); null keeps the shape's value. Any key set on a dense shape is refused."""
+
+    n_experts: int | None = None
+    top_k: int | None = None
+    d_expert: int | None = None
+    n_shared_experts: int | None = None
+    every: int | None = None
+    first_dense: int | None = None
+    router: str | None = None  # softmax | sigmoid
+    norm_topk: bool | None = None
+    aux_loss_coef: float | None = None
+    z_loss_coef: float | None = None
+    bias_update_rate: float | None = None
+    # Every shape here is dropless (no capacity); a number sets one.
+    capacity_factor: float | None = None
+    kernel: str | None = None  # auto | grouped | loop
+
+
+@dataclass
 class ModelConfig:
     """A model from the registry (llm.models.MODEL_SHAPES); the fields below override its shape."""
 
@@ -50,6 +71,7 @@ class ModelConfig:
     # Globs over parameter names (fnmatch), e.g. ["tok_embeddings.*", "layers.0.*"]: frozen
     # parameters get no gradient, no optimizer state and no update under every strategy.
     freeze: list[str] = field(default_factory=list)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         _require_positive(

@@ -6,6 +6,7 @@ checks live in the dataclasses' ``__post_init__`` (llm/config.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -60,6 +61,7 @@ def model_args_for(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
         n_kv_heads=m.n_kv_heads,
         d_ff=m.d_ff,
         dropout=m.dropout,
+        moe=dataclasses.asdict(m.moe),
     )
 
 

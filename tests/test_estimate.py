@@ -155,6 +155,8 @@ def test_every_published_config_names_the_registered_vocabulary():
         "llama3-8b",
         "gpt2-xl",
         "dialogpt-large",
+        "mixtral-8x7b",
+        "deepseek-moe-16b",
     }
 
 

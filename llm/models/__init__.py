@@ -7,7 +7,12 @@ Parallelism is applied from outside (llm.parallel); nothing here knows about ran
 
 from llm.models.args import ModelArgs, RopeScaling
 from llm.models.build import build_model, materialize
-from llm.models.counting import causal_flops_per_token, flops_per_token, num_params
+from llm.models.counting import (
+    causal_flops_per_token,
+    flops_per_token,
+    num_active_params,
+    num_params,
+)
 from llm.models.freeze import freeze
 from llm.models.hf import from_hf, to_hf
 from llm.models.hf_source import HFSource
@@ -48,6 +53,7 @@ __all__ = [
     "materialize_from",
     "model_args",
     "model_blocks",
+    "num_active_params",
     "num_params",
     "param_name",
     "to_hf",

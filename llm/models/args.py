@@ -7,6 +7,76 @@ from dataclasses import dataclass
 from llm.errors import ConfigError
 
 FAMILIES = ("gpt2", "llama")
+ROUTERS = ("softmax", "sigmoid")
+EXPERT_KERNELS = ("auto", "grouped", "loop")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """A mixture-of-experts feed-forward (llm/models/moe.py) in place of the dense MLP.
+
+    Blocks ``i >= first_dense`` with ``(i - first_dense) % every == 0`` are MoE, the others
+    dense (DeepSeek's first_k_dense_replace and moe_layer_freq). Experts are SwiGLU MLPs of
+    width ``d_expert``; ``n_shared_experts`` more run on every token, as one SwiGLU of width
+    n_shared_experts * d_expert (DeepSeekMoE).
+    """
+
+    n_experts: int
+    top_k: int = 2
+    d_expert: int = 0  # 0: model.d_ff
+    n_shared_experts: int = 0
+    every: int = 1
+    first_dense: int = 0
+    # softmax: top-k of softmax(logits) (Mixtral, DeepSeekMoE); sigmoid: top-k of
+    # sigmoid(logits) + a per-expert bias that only picks, moved after each step towards
+    # balance (DeepSeek-V3's auxiliary-loss-free balancing, rate bias_update_rate).
+    router: str = "softmax"
+    norm_topk: bool = True  # the k weights divided by their sum (Mixtral: yes)
+    aux_loss_coef: float = 0.01  # Switch / GShard load balance: E * sum_i f_i * P_i
+    z_loss_coef: float = 0.0  # ST-MoE router z-loss: mean logsumexp(logits)^2
+    bias_update_rate: float = 1e-3  # sigmoid router only
+    # Expert capacity ceil(capacity_factor * tokens * top_k / n_experts) over the global
+    # micro-batch; assignments past it are dropped, first come first kept. None: dropless.
+    capacity_factor: float | None = None
+    # grouped: torch._grouped_mm over all experts at once; loop: one matmul per expert;
+    # auto: grouped on CUDA devices of compute capability 9.0 and above in 16-bit, else loop.
+    kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.n_experts < 1 or self.top_k < 1:
+            raise ConfigError(
+                f"model.moe.n_experts={self.n_experts} and top_k={self.top_k} must be >= 1"
+            )
+        if self.top_k > self.n_experts:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} exceeds model.moe.n_experts={self.n_experts}; "
+                "lower top_k or add experts"
+            )
+        if self.router not in ROUTERS:
+            raise ConfigError(
+                f"model.moe.router={self.router!r} is unknown; choose one of {', '.join(ROUTERS)}"
+            )
+        if self.kernel not in EXPERT_KERNELS:
+            raise ConfigError(
+                f"model.moe.kernel={self.kernel!r} is unknown; choose one of "
+                f"{', '.join(EXPERT_KERNELS)}"
+            )
+        if self.every < 1 or self.first_dense < 0 or self.d_expert < 0 or self.n_shared_experts < 0:
+            raise ConfigError(
+                "model.moe.every must be >= 1 and first_dense, d_expert, n_shared_experts >= 0"
+            )
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ConfigError(
+                f"model.moe.capacity_factor={self.capacity_factor} must be > 0, or null for "
+                "dropless routing"
+            )
+        if min(self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate) < 0:
+            raise ConfigError(
+                "model.moe.aux_loss_coef, z_loss_coef and bias_update_rate must be >= 0"
+            )
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index >= self.first_dense and (index - self.first_dense) % self.every == 0
 
 
 @dataclass(frozen=True)
@@ -43,6 +113,7 @@ class ModelArgs:
     # branches), as GPT-2's embd/attn/resid_pdrop set to one value.
     dropout: float = 0.0
     init_std: float = 0.02
+    moe: MoEArgs | None = None  # None: every block has the dense MLP
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -76,6 +147,20 @@ class ModelArgs:
                 f"head_dim={self.head_dim} is odd but RoPE rotates pairs; "
                 "choose d_model / n_heads even"
             )
+
+        if self.moe is not None and self.family != "llama":
+            raise ConfigError(
+                "model.moe: experts are SwiGLU MLPs of the llama family; use a llama shape "
+                "(model=moe-tiny) or drop model.moe"
+            )
+
+    @property
+    def d_expert(self) -> int:
+        """An expert's hidden width (MoE shapes only)."""
+        return self.moe.d_expert or self.d_ff
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(index)
 
     @property
     def head_dim(self) -> int:

@@ -1,4 +1,5 @@
-"""ModelArgs <-> Hugging Face configs (GPT2Config, LlamaConfig), refusing what we cannot run."""
+"""ModelArgs <-> Hugging Face configs (GPT2Config, LlamaConfig, MixtralConfig), refusing what
+we cannot run."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llm.errors import ConfigError
-from llm.models.args import ModelArgs, RopeScaling
+from llm.models.args import ModelArgs, MoEArgs, RopeScaling
 
 if TYPE_CHECKING:  # transformers is imported on use: it adds ~2 s to `import llm.models`
-    from transformers import GPT2Config, LlamaConfig, PretrainedConfig
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, PretrainedConfig
 
 
 def _unsupported(path: Any, what: str) -> ConfigError:
@@ -21,13 +22,17 @@ def _unsupported(path: Any, what: str) -> ConfigError:
 
 
 def args_from_hf(cfg: PretrainedConfig, path: Any) -> ModelArgs:
-    """The ModelArgs of a GPT-2 or Llama checkpoint's config; ``path`` only names it in errors."""
+    """The ModelArgs of a GPT-2, Llama or Mixtral checkpoint's config; ``path`` only names it
+    in errors."""
     if cfg.model_type == "gpt2":
         return _gpt2_args(cfg, path)
     if cfg.model_type == "llama":
         return _llama_args(cfg, path)
+    if cfg.model_type == "mixtral":
+        return _mixtral_args(cfg, path)
     raise ConfigError(
-        f"{path} holds a {cfg.model_type!r} checkpoint; from_hf loads gpt2 and llama ones"
+        f"{path} holds a {cfg.model_type!r} checkpoint; from_hf loads gpt2 and llama ones "
+        "(mixtral included)"
     )
 
 
@@ -54,9 +59,37 @@ def _gpt2_args(cfg: GPT2Config, path: Any) -> ModelArgs:
 
 
 def _llama_args(cfg: LlamaConfig, path: Any) -> ModelArgs:
-    if cfg.hidden_act != "silu" or cfg.attention_bias or cfg.mlp_bias:
-        raise _unsupported(path, "a non-SwiGLU MLP or biases")
-    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if cfg.attention_bias or cfg.mlp_bias:
+        raise _unsupported(path, "attention or MLP biases")
+    return _llama_family_args(cfg, path)
+
+
+def _mixtral_args(cfg: MixtralConfig, path: Any) -> ModelArgs:
+    # Mixtral's two departures from our model, refused where they take effect: attention
+    # within a window shorter than the context, and noise on the router's input in training.
+    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
+        raise _unsupported(path, f"sliding-window attention (sliding_window={cfg.sliding_window})")
+    if cfg.router_jitter_noise:
+        raise _unsupported(path, f"router_jitter_noise={cfg.router_jitter_noise}")
+    moe = MoEArgs(
+        n_experts=cfg.num_local_experts,
+        top_k=cfg.num_experts_per_tok,
+        d_expert=cfg.intermediate_size,
+        router="softmax",
+        norm_topk=True,
+        aux_loss_coef=cfg.router_aux_loss_coef,
+    )
+    return _llama_family_args(cfg, path, moe)
+
+
+def _llama_family_args(
+    cfg: LlamaConfig | MixtralConfig, path: Any, moe: MoEArgs | None = None
+) -> ModelArgs:
+    """What Llama and Mixtral share: attention, RoPE, norms, embeddings, and intermediate_size
+    (Llama's MLP width, the width of each of Mixtral's experts)."""
+    if cfg.hidden_act != "silu":
+        raise _unsupported(path, f"a non-SwiGLU MLP (hidden_act={cfg.hidden_act!r})")
+    if cfg.head_dim not in (None, cfg.hidden_size // cfg.num_attention_heads):
         raise _unsupported(path, f"head_dim={cfg.head_dim} != hidden_size / num_attention_heads")
     rope = cfg.rope_parameters
     if rope["rope_type"] not in ("default", "llama3"):
@@ -83,12 +116,33 @@ def _llama_args(cfg: LlamaConfig, path: Any) -> ModelArgs:
         rope_scaling=scaling,
         tie_embeddings=cfg.tie_word_embeddings,
         dropout=cfg.attention_dropout,
+        moe=moe,
     )
 
 
+def _mixtral_refusal(moe: MoEArgs) -> str | None:
+    """Why Mixtral's block (every block: softmax top-k, renormalised, dropless, routed
+    experts only) cannot hold ``moe``, or None when it can."""
+    if moe.n_shared_experts:
+        return f"n_shared_experts={moe.n_shared_experts}: Mixtral has no shared experts"
+    if moe.router != "softmax":
+        return f"router={moe.router!r}: Mixtral's router is a softmax"
+    if moe.first_dense or moe.every != 1:
+        return (
+            f"first_dense={moe.first_dense}, every={moe.every}: every Mixtral block is a "
+            "mixture of experts"
+        )
+    if moe.capacity_factor is not None:
+        return f"capacity_factor={moe.capacity_factor}: Mixtral drops no tokens"
+    if not moe.norm_topk:
+        return "norm_topk=False: Mixtral renormalises the top-k weights"
+    return None
+
+
 def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> PretrainedConfig:
-    """The transformers config of the same architecture (GPT2Config or LlamaConfig)."""
-    from transformers import GPT2Config, LlamaConfig
+    """The transformers config of the same architecture: GPT2Config, LlamaConfig, or
+    MixtralConfig for a mixture of experts (refused where Mixtral cannot express it)."""
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     if args.family == "gpt2":
         # GPT-2's special tokens (50256) only exist in the full vocabulary.
@@ -121,10 +175,9 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> Pretrained
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_seq_len,
         }
-    return LlamaConfig(
+    shared = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.d_model,
-        intermediate_size=args.d_ff,
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
         num_key_value_heads=args.n_kv_heads,
@@ -135,4 +188,19 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> Pretrained
         attention_dropout=args.dropout,
         initializer_range=args.init_std,
         dtype=dtype,
+    )
+    if args.moe is None:
+        return LlamaConfig(intermediate_size=args.d_ff, **shared)
+    why = _mixtral_refusal(args.moe)
+    if why is not None:
+        raise ConfigError(
+            f"model.moe.{why}; to_hf writes mixture-of-experts models as Mixtral, "
+            "so this shape cannot be exported"
+        )
+    return MixtralConfig(
+        intermediate_size=args.d_expert,
+        num_local_experts=args.moe.n_experts,
+        num_experts_per_tok=args.moe.top_k,
+        router_aux_loss_coef=args.moe.aux_loss_coef,
+        **shared,
     )

@@ -1,10 +1,13 @@
-"""Initial weights from a local Hugging Face GPT-2 / Llama checkpoint, read slice by slice.
+"""Initial weights from a local Hugging Face GPT-2 / Llama / Mixtral checkpoint, read slice
+by slice.
 
 safetensors' ``get_slice`` reads only the requested part of a tensor from disk, so a rank
 that holds rows [a, b) of a parameter reads those rows and nothing else. Our names map onto
-HF's here: Llama keys one to one (HF's rotate_half RoPE is ours); GPT-2 stores its
-projections as Conv1D, i.e. (in, out), so our rows are its columns, and fuses q/k/v into
-c_attn, whose columns are q | k | v.
+HF's here: Llama keys one to one (HF's rotate_half RoPE is ours); Mixtral is Llama with
+mixture-of-experts blocks, whose experts (rows of our w1/w3/w2) are on disk one tensor per
+expert, or stacked with w1 and w3 fused into gate_up_proj; GPT-2 stores its projections as
+Conv1D, i.e. (in, out), so our rows are its columns, and fuses q/k/v into c_attn, whose
+columns are q | k | v.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import torch
 from torch import Tensor
 
 from llm.errors import ConfigError
+from llm.models.args import ModelArgs
 from llm.models.hf_config import args_from_hf
 from llm.models.transformer import Transformer
 from llm.models.weights import WeightSource, param_name
 
-# (ours, HF) per block, for tensors that only change name.
+# (ours, HF) per block, for tensors that only change name: attention and norms (Llama's
+# and Mixtral's), then the feed-forward of a dense block (Llama).
 LLAMA_BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -29,9 +34,28 @@ LLAMA_BLOCK = {
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+LLAMA_MLP = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+# Mixtral's MoE block as transformers 5 holds it in memory (and writes it with
+# save_pretrained(save_original_format=False)): experts stacked along dim 0, each one's w1 and
+# w3 concatenated along dim 1 into gate_up_proj (E, 2F, d).
+MIXTRAL_MOE = {
+    "feed_forward.router.gate.weight": "mlp.gate.weight",
+    "feed_forward.experts.w2": "mlp.experts.down_proj",
+}
+MIXTRAL_GATE_UP = "mlp.experts.gate_up_proj"
+# ... and as the Hub's Mixtral checkpoints and save_pretrained's default hold it: one tensor
+# per expert, {} its index, named as ours.
+MIXTRAL_SAVED = {
+    "feed_forward.router.gate.weight": "block_sparse_moe.gate.weight",
+    **{
+        f"feed_forward.experts.{w}": f"block_sparse_moe.experts.{{}}.{w}.weight"
+        for w in ("w1", "w3", "w2")
+    },
 }
 GPT2_NORMS = {"attention_norm": "ln_1", "ffn_norm": "ln_2"}
 # Conv1D modules: ours (Linear) -> HF; weights transposed, biases as they are.
@@ -45,11 +69,20 @@ SAFETENSORS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 class Spec(NamedTuple):
     """Where one of our parameters lives in the checkpoint: rows [a, b) of ours are
-    key[offset + a : offset + b], or its columns when ``transposed`` (Conv1D)."""
+    key[offset + a : offset + b], or its columns when ``transposed`` (Conv1D); with
+    ``within`` (lo, hi), only dim-1 indices [lo, hi) of those rows (one half of Mixtral's
+    gate_up_proj); with ``per_row``, row r is the whole tensor key.format(r) (Mixtral's
+    experts saved one by one)."""
 
     key: str
     transposed: bool = False
     offset: int = 0
+    within: tuple[int, int] | None = None
+    per_row: bool = False
+
+    def keys(self, n_rows: int) -> list[str]:
+        """The checkpoint keys a parameter of ``n_rows`` rows reads."""
+        return [self.key.format(r) for r in range(n_rows)] if self.per_row else [self.key]
 
 
 def _first_line(err: Exception) -> str:
@@ -118,16 +151,30 @@ def _gpt2_specs(n_layers: int, d_model: int, keys) -> dict[str, Spec]:
     return specs
 
 
-def _llama_specs(n_layers: int, keys) -> dict[str, Spec]:
+def _llama_specs(args: ModelArgs, keys) -> dict[str, Spec]:
+    """Llama's names, and Mixtral's in the blocks that ``args`` makes MoE."""
     head = "lm_head.weight" if "lm_head.weight" in keys else "model.embed_tokens.weight"
     specs = {
         "tok_embeddings.weight": Spec("model.embed_tokens.weight"),
         "norm.weight": Spec("model.norm.weight"),
         "output.weight": Spec(head),
     }
-    for i in range(n_layers):
-        for name, hf_name in LLAMA_BLOCK.items():
-            specs[f"layers.{i}.{name}"] = Spec(f"model.layers.{i}.{hf_name}")
+    for i in range(args.n_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        if not args.is_moe_layer(i):
+            block = {name: Spec(hf) for name, hf in (LLAMA_BLOCK | LLAMA_MLP).items()}
+        elif f"{src}{MIXTRAL_GATE_UP}" in keys:
+            f = args.d_expert
+            block = {name: Spec(hf) for name, hf in (LLAMA_BLOCK | MIXTRAL_MOE).items()}
+            block["feed_forward.experts.w1"] = Spec(MIXTRAL_GATE_UP, within=(0, f))
+            block["feed_forward.experts.w3"] = Spec(MIXTRAL_GATE_UP, within=(f, 2 * f))
+        else:
+            block = {
+                name: Spec(hf, per_row="{}" in hf)
+                for name, hf in (LLAMA_BLOCK | MIXTRAL_SAVED).items()
+            }
+        for name, spec in block.items():
+            specs[f"{dst}{name}"] = spec._replace(key=f"{src}{spec.key}")
     return specs
 
 
@@ -147,10 +194,11 @@ class HFSource(WeightSource):
         specs = (
             _gpt2_specs(a.n_layers, a.d_model, self._files)
             if a.family == "gpt2"
-            else _llama_specs(a.n_layers, self._files)
+            else _llama_specs(a, self._files)
         )
         self._specs = {name: specs[name] for name in self._shapes}
-        missing = sorted({s.key for s in self._specs.values()} - self._files.keys())
+        needed = {k for n, s in self._specs.items() for k in s.keys(self._shapes[n][0])}
+        missing = sorted(needed - self._files.keys())
         if missing:
             raise ConfigError(
                 f"{path} lacks weights {missing[:3]} ({len(missing)} in all); "
@@ -161,13 +209,17 @@ class HFSource(WeightSource):
         return self._shapes[param_name(name)]
 
     def rows(self, name: str, start: int, stop: int, device: torch.device) -> Tensor:
-        from safetensors import safe_open
-
         spec = self._specs[param_name(name)]
         lo, hi = spec.offset + start, spec.offset + stop
-        with safe_open(self._files[spec.key], framework="pt") as f:
-            part = f.get_slice(spec.key)
-            values = part[:, lo:hi].t() if spec.transposed else part[lo:hi]
+        if spec.per_row:
+            parts = [self._read(spec.key.format(r), slice(None)) for r in range(lo, hi)]
+            values = torch.stack(parts) if parts else torch.empty(0, *self.shape(name)[1:])
+        elif spec.transposed:
+            values = self._read(spec.key, (slice(None), slice(lo, hi))).t()
+        elif spec.within is not None:
+            values = self._read(spec.key, (slice(lo, hi), slice(*spec.within)))
+        else:
+            values = self._read(spec.key, slice(lo, hi))
         expected = (stop - start, *self.shape(name)[1:])
         if tuple(values.shape) != expected:
             raise ConfigError(
@@ -175,3 +227,10 @@ class HFSource(WeightSource):
                 f"(rows {start}:{stop} of {name} should be {expected}); re-save the checkpoint"
             )
         return values.to(device, torch.float32).contiguous()
+
+    def _read(self, key: str, index) -> Tensor:
+        """``key``'s tensor indexed by ``index``, reading only that part from disk."""
+        from safetensors import safe_open
+
+        with safe_open(self._files[key], framework="pt") as f:
+            return f.get_slice(key)[index]

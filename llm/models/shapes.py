@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from llm.errors import ConfigError
-from llm.models.args import ModelArgs, RopeScaling
+from llm.models.args import ModelArgs, MoEArgs, RopeScaling
 
 
 def _gpt2(d_model: int, n_layers: int, n_heads: int, **kw: Any) -> ModelArgs:
@@ -81,6 +81,52 @@ MODEL_SHAPES: dict[str, ModelArgs] = {
         d_ff=14336,
         rope_theta=500000.0,
     ),
+    # Mixture of experts (llm/models/moe.py). moe-tiny trains on a laptop CPU: llama-tiny's
+    # attention, 8 experts of half llama-tiny's MLP width, 2 per token, so a token multiplies
+    # as many MLP weights as llama-tiny's (the moe experiment's dense twin).
+    "moe-tiny": _llama(
+        vocab_size=4096,
+        max_seq_len=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=192,
+        moe=MoEArgs(n_experts=8, top_k=2, d_expert=96),
+    ),
+    # mistralai/Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B active.
+    "mixtral-8x7b": _llama(
+        vocab_size=32000,
+        max_seq_len=32768,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        rope_theta=1e6,
+        moe=MoEArgs(n_experts=8, top_k=2, aux_loss_coef=0.02),
+    ),
+    # deepseek-ai/deepseek-moe-16b-base (Dai et al. 2024): 64 routed experts of width 1408,
+    # 6 per token, 2 shared, the first block dense; 16.4B parameters, 2.8B active.
+    "deepseek-moe-16b": _llama(
+        vocab_size=102400,
+        max_seq_len=4096,
+        d_model=2048,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=16,
+        d_ff=10944,
+        norm_eps=1e-6,
+        moe=MoEArgs(
+            n_experts=64,
+            top_k=6,
+            d_expert=1408,
+            n_shared_experts=2,
+            first_dense=1,
+            norm_topk=False,
+            aux_loss_coef=0.001,
+        ),
+    ),
 }
 
 
@@ -90,6 +136,9 @@ def model_args(name: str, **overrides: Any) -> ModelArgs:
     Two fields follow the ones they derive from unless overridden themselves, so that
     ``n_heads=8`` or ``d_model=256`` on a GPT-2 shape stays a valid GPT-2: an MHA shape keeps
     n_kv_heads == n_heads, and a shape with d_ff == 4 * d_model keeps that ratio.
+
+    ``moe`` is a dict of MoEArgs fields for a mixture-of-experts shape; on a dense shape any
+    key is refused.
     """
     if name not in MODEL_SHAPES:
         raise ConfigError(
@@ -97,6 +146,8 @@ def model_args(name: str, **overrides: Any) -> ModelArgs:
         )
     base = MODEL_SHAPES[name]
     changes = {key: value for key, value in overrides.items() if value is not None}
+    if "moe" in changes:
+        changes["moe"] = _moe_args(name, base.moe, changes["moe"])
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(ModelArgs)})
     if unknown:
         raise ConfigError(
@@ -107,4 +158,17 @@ def model_args(name: str, **overrides: Any) -> ModelArgs:
         changes["n_kv_heads"] = changes["n_heads"]
     if "d_model" in changes and "d_ff" not in changes and base.d_ff == 4 * base.d_model:
         changes["d_ff"] = 4 * changes["d_model"]
+    return dataclasses.replace(base, **changes)
+
+
+def _moe_args(name: str, base: MoEArgs | None, overrides: dict[str, Any]) -> MoEArgs | None:
+    """The shape's MoEArgs with ``overrides`` (None values ignored) applied."""
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    if base is None:
+        if changes:
+            raise ConfigError(
+                f"model.moe.{sorted(changes)[0]} is set but model {name} is dense; drop the "
+                "model.moe keys or use a mixture-of-experts shape (model=moe-tiny)"
+            )
+        return None
     return dataclasses.replace(base, **changes)

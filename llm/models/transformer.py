@@ -14,6 +14,7 @@ from llm.attention import Documents
 from llm.errors import ConfigError
 from llm.models.args import ModelArgs
 from llm.models.layers import Attention, GeluMLP, RMSNorm, SwiGLU
+from llm.models.moe import MoE
 
 
 def _norm(args: ModelArgs) -> nn.Module:
@@ -22,16 +23,24 @@ def _norm(args: ModelArgs) -> nn.Module:
     return RMSNorm(args.d_model, eps=args.norm_eps)
 
 
+def _feed_forward(args: ModelArgs, index: int) -> nn.Module:
+    if args.is_moe_layer(index):
+        return MoE(args)
+    return GeluMLP(args) if args.family == "gpt2" else SwiGLU(args)
+
+
 class Block(nn.Module):
     """x + attention(norm(x)), then + mlp(norm(x)); maps (B, T, d) to (B, T, d). The only
     side inputs are optional and not differentiated: packed documents and their positions."""
 
-    def __init__(self, args: ModelArgs, attention_backend: str, sdpa_kernel: str = "auto") -> None:
+    def __init__(
+        self, args: ModelArgs, attention_backend: str, sdpa_kernel: str = "auto", index: int = 0
+    ) -> None:
         super().__init__()
         self.attention_norm = _norm(args)
         self.attention = Attention(args, attention_backend, sdpa_kernel)
         self.ffn_norm = _norm(args)
-        self.feed_forward = GeluMLP(args) if args.family == "gpt2" else SwiGLU(args)
+        self.feed_forward = _feed_forward(args, index)
 
     def forward(
         self, x: Tensor, docs: Documents | None = None, positions: Tensor | None = None
@@ -57,7 +66,7 @@ class Transformer(nn.Module):
             self.pos_embeddings = nn.Embedding(args.max_seq_len, args.d_model)
         self.dropout = nn.Dropout(args.dropout)
         self.layers = nn.ModuleList(
-            Block(args, attention_backend, sdpa_kernel) for _ in range(args.n_layers)
+            Block(args, attention_backend, sdpa_kernel, i) for i in range(args.n_layers)
         )
         self.norm = _norm(args)
         self.output = nn.Linear(args.d_model, args.vocab_size, bias=False)

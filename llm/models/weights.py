@@ -27,6 +27,7 @@ from torch.utils import swap_tensors
 
 from llm.models.args import ModelArgs
 from llm.models.layers import RMSNorm
+from llm.models.moe import Experts
 from llm.models.transformer import Transformer
 
 _WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -82,7 +83,12 @@ class InitSource(WeightSource):
         self._fill: dict[str, float] = {}
         for name, module in model.named_modules():
             prefix = f"{name}." if name else ""
-            if isinstance(module, nn.Linear | nn.Embedding):
+            if isinstance(module, Experts):
+                for weight in ("w1", "w3", "w2"):
+                    self._std[f"{prefix}{weight}"] = (
+                        residual_std if weight == "w2" else args.init_std
+                    )
+            elif isinstance(module, nn.Linear | nn.Embedding):
                 std = residual_std if name.endswith((".wo", ".w2")) else args.init_std
                 self._std[f"{prefix}weight"] = std
                 if getattr(module, "bias", None) is not None:
@@ -223,4 +229,11 @@ def materialize_from(model: nn.Module, weights: WeightSource, device: torch.devi
             value = torch.empty(param.shape, dtype=param.dtype, device=device)
             value.copy_(weights.whole(name, device))
             adopt(param, value)
+    for module in model.modules():
+        # Buffers start at zero (the MoE router's bias is the one there is): no source has them.
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                module.register_buffer(
+                    name, torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
+                )
     return model

@@ -31,6 +31,7 @@ from llm.recompute import RecomputePolicy
 from llm.recompute.policies import NoRecompute
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import StepTimer, mfu
+from llm.train.moe_stats import MoEStats
 from llm.train.monitor import Monitor
 from llm.train.stop import StopRequested, stop_guard
 
@@ -155,6 +156,7 @@ class Trainer:
         self._layers = find_layers(model)
         # Bytes kept for backward by the first micro-batch of the last logged step.
         self.activations: dict = {}
+        self.moe = MoEStats(model, cfg.train.grad_accum_steps)
 
     # ---- checkpoint state -------------------------------------------------------------
     def trainer_state(self) -> dict:
@@ -271,6 +273,8 @@ class Trainer:
             loss_sum = self._micro_batches(batches, scale, count)
         self.tracker.phase("optimizer_step")
         result = self.strategy.clip_and_step(self.cfg.train.grad_clip)
+        if self.moe:
+            self.moe.after_step(result.skipped)
         self.scheduler.step()
         return loss_sum, result
 
@@ -288,6 +292,8 @@ class Trainer:
                     self.activations = _activation_metrics(counter)
                 self.tracker.phase("backward")
                 scaled = loss * scale
+                if self.moe and (aux := self.moe.aux_loss()) is not None:
+                    scaled = scaled + aux
                 self.tracker.watch_backward(scaled)
                 self.strategy.backward(scaled)
             # The micro-batch's exit (a strategy's end-of-backward reduction) is backward too.
@@ -488,6 +494,7 @@ class Trainer:
         out["tokens_seen"] = self.state.tokens_seen
         out.update(self._step_memory())
         out.update(self.activations)
+        out.update(self.moe.metrics())
         for kind, value in self.model_state_bytes.items():
             out[f"memory/{kind}_bytes"] = value
         return out

@@ -1,0 +1,155 @@
+"""Expert parallelism: each MoE layer's experts split over ``ep_size`` ranks, tokens moved to
+their experts' ranks and back with ``all_to_all_single`` (DeepSpeed-MoE, GShard).
+
+Ranks ``[g * ep, (g + 1) * ep)`` of the data-parallel group form expert-parallel group g;
+rank ``i`` of a group holds experts ``[i * E / ep, (i + 1) * E / ep)``. Ranks with the same
+place in different groups hold the same experts (the expert-data-parallel group, world /
+ep ranks), and their expert gradients are summed over that group alone.
+
+Per MoE layer and micro-batch (llm/models/moe.py hands over the assignments sorted by
+expert, so each destination's rows are one run):
+- counts: one all-gather of the (E,) assignment counts over the data-parallel group, so the
+  balance loss and the capacity see the global micro-batch, as one process does;
+- dispatch: the (ep, E/ep) counts of what each rank sends each expert, exchanged with one
+  all_to_all_single, then the rows, with per-rank split sizes (gloo takes uneven splits);
+- combine: the expert outputs back the same way. Backward runs each exchange in reverse.
+
+Bytes sent to other ranks are counted (``take_sent``): rows that leave the rank, times
+d_model, times the element size, for dispatch and combine, forward and backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from llm.models.moe import Experts, MoE
+from llm.models.weights import WeightSource
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows whose backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group, sent: Counter) -> Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.sent = send, recv, group, sent
+        return _exchange(x, send, recv, group, sent)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group, ctx.sent), *[None] * 4
+
+
+def _exchange(x: Tensor, send: list[int], recv: list[int], group, sent: Counter) -> Tensor:
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    dist.all_to_all_single(out, x, recv, send, group=group)
+    me = dist.get_rank(group)
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    sent["all_to_all"] += (sum(send) - send[me]) * row_bytes
+    return out
+
+
+class DataParallelCounts:
+    """Every expert here, tokens spread over ``group``: counts summed over it."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.sent: Counter[str] = Counter()
+
+    def count(self, counts: Tensor) -> tuple[Tensor, Tensor]:
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        every = counts.new_empty(world * counts.numel())
+        dist.all_gather_into_tensor(every, counts.contiguous(), group=self.group)
+        every = every.view(world, counts.numel())
+        self.sent["all_gather"] += counts.numel() * counts.element_size()
+        return every.sum(0), every[:rank].sum(0)
+
+    def run(self, experts: Experts, x: Tensor, counts: Tensor) -> Tensor:
+        return experts(x, counts)
+
+    def take_sent(self) -> dict[str, int]:
+        sent, self.sent = dict(self.sent), Counter()
+        return sent
+
+
+class AllToAllExchange(DataParallelCounts):
+    """This rank's E / ep experts; the rows of every other expert go to its rank."""
+
+    def __init__(self, dp_group, ep_group, n_experts: int) -> None:
+        super().__init__(dp_group)
+        self.ep_group = ep_group
+        self.ep = dist.get_world_size(ep_group)
+        self.local = n_experts // self.ep
+
+    def run(self, experts: Experts, x: Tensor, counts: Tensor) -> Tensor:
+        """x: rows sorted by global expert, ``counts`` (E,) of each; returns their outputs."""
+        per_rank = counts.view(self.ep, self.local)  # what this rank sends each expert
+        received = torch.empty_like(per_rank)  # (source rank, local expert)
+        dist.all_to_all_single(received, per_rank.contiguous(), group=self.ep_group)
+        send = per_rank.sum(1).tolist()
+        recv = received.sum(1).tolist()
+        rows = _AllToAll.apply(x, send, recv, self.ep_group, self.sent)
+        # Received runs are (source, expert); the experts want (expert, source).
+        order = _regroup(received)
+        y = experts(rows[order], received.sum(0))
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return _AllToAll.apply(y[back], recv, send, self.ep_group, self.sent)
+
+
+def _regroup(runs: Tensor) -> Tensor:
+    """Row order that turns runs laid out (source, expert) into (expert, source)."""
+    sizes = runs.reshape(-1)
+    starts = torch.cumsum(sizes, 0) - sizes
+    by_expert = torch.arange(sizes.numel(), device=runs.device).view(runs.shape).t().reshape(-1)
+    size, start = sizes[by_expert], starts[by_expert]
+    new_start = torch.cumsum(size, 0) - size
+    total = int(sizes.sum())
+    shift = torch.repeat_interleave(start - new_start, size, output_size=total)
+    return torch.arange(total, device=runs.device) + shift
+
+
+def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
+    """The experts ep rank ``ep_rank`` holds."""
+    local = n_experts // ep
+    return ep_rank * local, (ep_rank + 1) * local
+
+
+def install(
+    model: nn.Module,
+    dp_group,
+    ep_group,
+    weights: WeightSource | None = None,
+) -> list[nn.Parameter]:
+    """Give every MoE layer of ``model`` its exchange; with ``ep_group`` of more than one
+    rank, cut its experts to this rank's, read from ``weights`` (or from the layer's own
+    values when the model is materialised). Returns the expert parameters (empty without
+    expert parallelism): they differ between ep ranks, every other parameter does not."""
+    local_params: list[nn.Parameter] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        if ep_group is None or dist.get_world_size(ep_group) == 1:
+            module.exchange = DataParallelCounts(dp_group)
+            continue
+        n_experts = module.moe.n_experts
+        module.exchange = AllToAllExchange(dp_group, ep_group, n_experts)
+        lo, hi = expert_range(n_experts, dist.get_world_size(ep_group), dist.get_rank(ep_group))
+        for w in ("w1", "w3", "w2"):
+            param = getattr(module.experts, w)
+            if weights is not None:
+                value = weights.rows(f"{name}.experts.{w}", lo, hi, _device_of(model))
+            else:
+                value = param.detach()[lo:hi].clone()
+            local = nn.Parameter(value, requires_grad=param.requires_grad)
+            setattr(module.experts, w, local)
+            local_params.append(local)
+    return local_params
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))

@@ -1,0 +1,91 @@
+"""The trainer's side of mixture-of-experts layers (llm/models/moe.py).
+
+- Each training micro-batch's backward takes the layers' auxiliary losses (balance, z) on
+  top of the data loss, once per step: divided by the micro-batches of the step.
+- The step's expert load, assignments per expert summed over its micro-batches, is the same
+  on every rank (each layer's exchange sums counts over the data-parallel ranks). After the
+  optimizer step it moves a sigmoid router's bias towards balance (DeepSeek-V3), unless the
+  step was skipped, with no collective of its own.
+- Logged steps carry the load per layer and expert (metrics.jsonl, and W&B through the
+  logger), its max / mean per layer, the balance and z losses, and the share of assignments
+  that a capacity dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from llm.models.moe import moe_layers
+
+
+class MoEStats:
+    def __init__(self, model: nn.Module, micro_batches: int) -> None:
+        self.layers = moe_layers(model)
+        self.micro_batches = micro_batches
+        self._reset()
+        self.last: dict[str, Tensor] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def _reset(self) -> None:
+        self._load: Tensor | None = None  # (L, E)
+        self._kept: Tensor | None = None  # (L,) assignments the capacity kept
+        self._balance: Tensor | None = None  # (L,)
+        self._z: Tensor | None = None
+
+    def aux_loss(self) -> Tensor | None:
+        """After a training forward: the auxiliary loss its backward adds (None when no
+        layer weighs one in), and the forward's load, added to the step's."""
+        load = torch.stack([layer.load for layer in self.layers]).float()
+        kept = torch.stack([layer.kept for layer in self.layers]).float()
+        balance = torch.stack([layer.balance_loss for layer in self.layers])
+        z = torch.stack([layer.z_loss for layer in self.layers])
+        if self._load is None:
+            self._load, self._kept, self._balance, self._z = load, kept, balance, z
+        else:
+            self._load += load
+            self._kept += kept
+            self._balance += balance
+            self._z += z
+        terms = [layer.aux_loss for layer in self.layers if layer.aux_loss is not None]
+        return sum(terms) / self.micro_batches if terms else None
+
+    @torch.no_grad()
+    def after_step(self, skipped: bool | Tensor) -> None:
+        """Bias updates from the step's load (not for a skipped step); the step's figures
+        become ``last`` for logging."""
+        applied = 1.0 - torch.as_tensor(skipped, dtype=torch.float32, device=self._load.device)
+        for layer, load in zip(self.layers, self._load, strict=True):
+            if layer.moe.router == "sigmoid":
+                layer.router.update_bias(load, applied)
+        self.last = {
+            "load": self._load,
+            "kept": self._kept,
+            "balance": self._balance / self.micro_batches,
+            "z": self._z / self.micro_batches,
+        }
+        self._reset()
+
+    def metrics(self) -> dict:
+        """The last step's figures for the logger (one host read)."""
+        if not self.last:
+            return {}
+        load = self.last["load"].tolist()
+        out: dict = {
+            "moe/balance_loss": self.last["balance"].mean().item(),
+            "moe/z_loss": self.last["z"].mean().item(),
+            # W&B gets one series per layer and expert: moe/load/layer0/expert3.
+            "moe/load": {
+                f"layer{i}": {f"expert{e}": int(v) for e, v in enumerate(row)}
+                for i, row in enumerate(load)
+            },
+            "moe/max_over_mean": {
+                f"layer{i}": max(row) / (sum(row) / len(row)) if sum(row) else 0.0
+                for i, row in enumerate(load)
+            },
+        }
+        total = self.last["load"].sum()
+        out["moe/dropped_share"] = (1 - self.last["kept"].sum() / total.clamp(min=1)).item()
+        return out
