@@ -32,10 +32,12 @@ from llm.models import (
     causal_flops_per_token,
     flops_per_token,
     freeze,
+    num_active_params,
     num_params,
 )
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.expert_parallel import install as install_expert_exchanges
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
 from llm.parallel.tensor_parallel import apply_tensor_parallel, padded_vocab
 from llm.precision import apply_precision, build_loss_scaler, resolve_precision
@@ -213,6 +215,8 @@ def _train(
     model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears
     scaler = build_loss_scaler(cfg.precision, precision.loss_scaling)
     strategy = build_strategy(cfg.parallelism, dims, precision, device, scaler, run_config=cfg)
+    if dims.dp_size > 1:  # MoE layers count their experts' tokens over the global batch
+        install_expert_exchanges(model, dims.dp_group())
     model = strategy.wrap(model, weights)
     if cfg.train.compile:
         model = torch.compile(model)
@@ -325,6 +329,8 @@ def _run_facts(
         "precision": precision.name,
         "model": cfg.model.name,
         "n_params": num_params(args),
+        # What a token multiplies: top_k of the routed experts (all of a dense model).
+        "n_active_params": num_active_params(args),
         "device": str(device.type),
         "hardware": hardware(device),
         "git_sha": git_sha(),

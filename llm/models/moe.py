@@ -103,7 +103,10 @@ class Experts(nn.Module):
 
 def _grouped(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """Row run g of ``x`` times w[g]^T, every run in one kernel."""
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    if out.requires_grad:  # its backward refuses a broadcast gradient (stride 0), as sum()'s
+        out.register_hook(torch.Tensor.contiguous)
+    return out
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

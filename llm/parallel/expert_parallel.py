@@ -122,7 +122,7 @@ def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
 def install(
     model: nn.Module,
     dp_group,
-    ep_group,
+    ep_group=None,
     weights: WeightSource | None = None,
 ) -> list[nn.Parameter]:
     """Give every MoE layer of ``model`` its exchange; with ``ep_group`` of more than one

@@ -1,0 +1,82 @@
+"""moe-tiny trained through train.py's path: the auxiliary losses reach the gradient, the
+load is logged, and 2 data-parallel ranks under ddp, zero2 and fsdp equal one process
+(helpers.assert_run_matches: losses and clipping norms within 1e-5, weights 1e-4), with
+dropless routing, with a capacity that drops tokens, and with the sigmoid router's bias."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_run_matches, read_metrics, reference_runs, run, train_losses
+
+STEPS = 4
+MOE = ("model.moe.z_loss_coef=0.001",)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text_corpus, cache_dir):
+    return reference_runs(tmp_path_factory, text_corpus, cache_dir, STEPS, *MOE)
+
+
+def _ranks(tmp_path, text_corpus, cache_dir, strategy, *extra):
+    return run(
+        tmp_path,
+        strategy,
+        text_corpus,
+        cache_dir,
+        "model=moe-tiny",
+        *MOE,
+        f"parallelism={strategy}",
+        "launcher.nproc_per_node=2",
+        "train.micro_batch_size=4",
+        f"train.max_steps={STEPS}",
+        *extra,
+    )
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_two_data_parallel_ranks_equal_one_process(
+    tmp_path, text_corpus, cache_dir, reference, strategy
+):
+    summary, out = _ranks(tmp_path, text_corpus, cache_dir, strategy)
+    assert_run_matches(reference("moe-tiny"), out, STEPS)
+    assert summary["n_active_params"] < summary["n_params"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("model.moe.capacity_factor=0.75",),
+        ("model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"),
+    ],
+    ids=["capacity", "sigmoid"],
+)
+def test_routing_variants_equal_one_process_under_zero2(
+    tmp_path, text_corpus, cache_dir, reference, extra
+):
+    _, out = _ranks(tmp_path, text_corpus, cache_dir, "zero2", *extra)
+    ref = reference("moe-tiny", *extra)
+    assert_run_matches(ref, out, STEPS)
+    dropped = [m["moe/dropped_share"] for m in read_metrics(ref) if "moe/dropped_share" in m]
+    assert (min(dropped) > 0) == ("capacity" in extra[0])
+
+
+def test_aux_losses_reach_the_gradient_and_the_load_is_logged(
+    tmp_path, text_corpus, cache_dir, reference
+):
+    """A large balance weight changes training; every logged step carries each layer's
+    load, whose sum is tokens x top_k."""
+    _, out = run(
+        tmp_path, "heavy", text_corpus, cache_dir, "model=moe-tiny", *MOE,
+        "train.micro_batch_size=8", f"train.max_steps={STEPS}", "model.moe.aux_loss_coef=10",
+    )  # fmt: skip
+    light = train_losses(reference("moe-tiny"))
+    heavy = train_losses(out)
+    assert heavy[1] == pytest.approx(light[1], rel=1e-6)  # the same first forward
+    assert heavy[STEPS] != pytest.approx(light[STEPS], rel=1e-4)
+    for m in read_metrics(out):
+        if "loss" not in m:
+            continue
+        loads = m["moe/load"]
+        assert sorted(loads) == ["layer0", "layer1"]
+        assert all(sum(layer.values()) == 8 * 64 * 2 for layer in loads.values())
+        assert m["moe/balance_loss"] > 0
