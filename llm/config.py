@@ -205,6 +205,10 @@ class ParallelismConfig:
     dp_size: int = -1  # -1: every rank is a data-parallel rank
     tp_size: int = 1  # tensor parallel ranks (innermost mesh dimension); docs/parallel.md
     pp_size: int = 1  # pipeline stages (outermost mesh dimension); docs/parallel.md
+    # Expert parallel ranks, splitting each MoE layer's experts (docs/parallel.md, "Mixture
+    # of experts"). Only 1 trains yet: the exchange is built and tested per layer, the
+    # strategies that hold expert shards are not.
+    ep_size: int = 1
     pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
     # Micro-batches the schedule splits each loader batch into; -1: pp_size.
     pp_microbatches: int = -1
@@ -251,6 +255,7 @@ class ParallelismConfig:
             "parallelism",
             tp_size=self.tp_size,
             pp_size=self.pp_size,
+            ep_size=self.ep_size,
             pp_virtual_stages=self.pp_virtual_stages,
             bucket_cap_mb=self.bucket_cap_mb,
             replicate=self.replicate,

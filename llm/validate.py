@@ -129,6 +129,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                 "dividing it"
             )
     p = cfg.parallelism
+    _check_experts(args, p, nproc)
     check_tensor_parallel(args, tp, cfg.data.seq_len, p.sequence_parallel)
     if tp > 1 and cfg.train.compile:
         # Tried on torch 2.13 (CPU): the whole model fails in Inductor ("Mixing fake modes"
@@ -268,6 +269,44 @@ def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device)
             "parallelism=zero3 with train.compile=true is not supported yet (its per-block "
             "hooks free and refill parameter storage; untested under compile); use "
             "train.compile=false, or parallelism=fsdp"
+        )
+
+
+def _check_experts(args: ModelArgs, p, nproc: int) -> None:
+    """MoE models and parallelism.ep_size: what runs, and one line for what does not."""
+    ep = p.ep_size
+    if args.moe is None:
+        if ep > 1:
+            raise ConfigError(
+                f"parallelism.ep_size={ep} splits experts, but model {args.family} shape has "
+                "none; set parallelism.ep_size=1 or use a mixture-of-experts model (model=moe-tiny)"
+            )
+        return
+    if p.tp_size > 1 or p.pp_size > 1:
+        raise ConfigError(
+            f"a mixture-of-experts model with tp_size={p.tp_size}, pp_size={p.pp_size}: tensor "
+            "and pipeline parallel do not split MoE blocks here; use tp_size=1 and pp_size=1"
+        )
+    if args.moe.n_experts % ep:
+        raise ConfigError(
+            f"parallelism.ep_size={ep} does not divide model.moe.n_experts="
+            f"{args.moe.n_experts}; pick an ep_size that divides it"
+        )
+    if nproc % ep:
+        raise ConfigError(
+            f"parallelism.ep_size={ep} does not divide the {nproc} ranks; pick an ep_size "
+            "that divides launcher.nproc_per_node"
+        )
+    if ep > 1 and p.name == "deepspeed":
+        raise ConfigError(
+            f"parallelism=deepspeed with ep_size={ep}: DeepSpeed-MoE is not a backend here; "
+            "use ep_size=1"
+        )
+    if ep > 1:
+        raise ConfigError(
+            f"parallelism.ep_size={ep}: no strategy holds expert shards yet (the all-to-all "
+            "exchange is tested per layer, llm/parallel/expert_parallel.py); use ep_size=1, "
+            "which replicates the experts over the data-parallel ranks"
         )
 
 

@@ -135,7 +135,11 @@ def test_every_and_first_dense_place_the_moe_blocks():
     ("name", "moe", "message"),
     [
         ("moe-tiny", {"top_k": 9}, "top_k=9 exceeds model.moe.n_experts=8"),
-        ("llama-tiny", {"n_experts": 4}, "model.moe.n_experts is set but model llama-tiny is dense"),
+        (
+            "llama-tiny",
+            {"n_experts": 4},
+            "model.moe.n_experts is set but model llama-tiny is dense",
+        ),
         ("moe-tiny", {"router": "noisy"}, "model.moe.router='noisy' is unknown"),
         ("moe-tiny", {"capacity_factor": 0.0}, "capacity_factor=0.0 must be > 0"),
     ],

@@ -80,3 +80,41 @@ def test_aux_losses_reach_the_gradient_and_the_load_is_logged(
         assert sorted(loads) == ["layer0", "layer1"]
         assert all(sum(layer.values()) == 8 * 64 * 2 for layer in loads.values())
         assert m["moe/balance_loss"] > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("model=llama-tiny", "parallelism.ep_size=2"), "splits experts, but model llama"),
+        (
+            ("model=moe-tiny", "parallelism.ep_size=3"),
+            "ep_size=3 does not divide model.moe.n_experts=8",
+        ),
+        (("model=moe-tiny", "parallelism.ep_size=4"), "ep_size=4 does not divide the 2 ranks"),
+        (("model=moe-tiny", "parallelism.tp_size=2"), "tensor and pipeline parallel do not split"),
+        (
+            ("model=moe-tiny", "parallelism=deepspeed", "parallelism.ep_size=2"),
+            "DeepSpeed-MoE is not a backend",
+        ),
+        (("model=moe-tiny", "parallelism.ep_size=2"), "no strategy holds expert shards yet"),
+        (
+            ("model=llama-tiny", "model.moe.top_k=2"),
+            "model.moe.top_k is set but model llama-tiny is dense",
+        ),
+        (("model=moe-tiny", "model.moe.top_k=9"), "top_k=9 exceeds model.moe.n_experts=8"),
+    ],
+)
+def test_bad_expert_settings_are_refused_in_one_line_before_any_rank(tmp_path, extra, message):
+    from helpers import compose_config, one_line, small_run_overrides
+
+    from llm.errors import ConfigError
+    from llm.validate import validate
+
+    cfg = compose_config(
+        small_run_overrides(
+            tmp_path, tmp_path, tmp_path, "parallelism=ddp", "launcher.nproc_per_node=2", *extra
+        )
+    )
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert message in one_line(err)

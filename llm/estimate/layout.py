@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from llm.config import pp_schedule_problem
 from llm.errors import ConfigError
 from llm.estimate.schedule_steps import bubble_share, peak_state
-from llm.models import ModelArgs
+from llm.models import ModelArgs, blocks_params
 from llm.parallel.pipeline import PipelineLayout
 from llm.parallel.tensor_parallel import kv_replicated, padded_vocab
 
@@ -82,7 +82,10 @@ def rank_params(args: ModelArgs, layout: Layout, pp_rank: int) -> int:
     h = args.d_model
     table = padded_vocab(args.vocab_size, layout.tp) * h // layout.tp
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
-    n = rank_blocks(args.n_layers, layout, pp_rank) * block_params(args, layout.tp)
+    if args.moe is None:
+        n = rank_blocks(args.n_layers, layout, pp_rank) * block_params(args, layout.tp)
+    else:  # MoE shapes run with tp = pp = 1 (llm/validate.py): every block, as it is
+        n = blocks_params(args)
     if first:
         n += table + (args.max_seq_len * h if args.family == "gpt2" else 0)
     if last:

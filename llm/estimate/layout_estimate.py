@@ -34,7 +34,7 @@ from llm.estimate.layout import (
     rank_params,
 )
 from llm.estimate.states import paper_states
-from llm.models import ModelArgs
+from llm.models import ModelArgs, blocks_params
 from llm.parallel.tensor_parallel import padded_vocab
 from llm.precision import PrecisionPolicy
 
@@ -121,7 +121,9 @@ def _flops_per_token(w: Workload, layout: Layout, pp_rank: int) -> float:
     matmuls)."""
     a = w.args
     attention = 12 * w.seq * a.n_heads * a.head_dim
-    block = 6 * block_params(a, 1) + attention
+    # A MoE block's weights as a token meets them: top_k of the routed experts.
+    weights = block_params(a, 1) if a.moe is None else blocks_params(a, active=True) / a.n_layers
+    block = 6 * weights + attention
     replay = {"none": 0.0, "selective": attention / 3, "full": block / 3}[layout.recompute]
     n = rank_blocks(a.n_layers, layout, pp_rank) * (block + replay)
     if pp_rank == layout.pp - 1:

@@ -8,6 +8,7 @@ Parallelism is applied from outside (llm.parallel); nothing here knows about ran
 from llm.models.args import ModelArgs, RopeScaling
 from llm.models.build import build_model, materialize
 from llm.models.counting import (
+    blocks_params,
     causal_flops_per_token,
     flops_per_token,
     num_active_params,
@@ -42,6 +43,7 @@ __all__ = [
     "Transformer",
     "WeightSource",
     "adopt",
+    "blocks_params",
     "build_model",
     "causal_flops_per_token",
     "flat_range",

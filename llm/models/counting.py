@@ -32,9 +32,9 @@ def _moe_params(a: ModelArgs, *, active: bool) -> int:
     return gate + routed + shared
 
 
-def _blocks_params(a: ModelArgs, *, active: bool = False) -> int:
+def blocks_params(a: ModelArgs, *, active: bool = False) -> int:
     """All n_layers blocks: attention, two norms and the feed-forward, MoE where
-    ``a.is_moe_layer(i)`` and dense elsewhere."""
+    ``a.is_moe_layer(i)`` and dense elsewhere; ``active``: a MoE block's top_k experts."""
     norms = 2 * 2 * a.d_model if a.family == "gpt2" else 2 * a.d_model  # LayerNorm: gain, bias
     n_moe = sum(a.is_moe_layer(i) for i in range(a.n_layers))
     total = a.n_layers * (_attention_params(a) + norms)
@@ -65,7 +65,7 @@ def num_active_params(args: ModelArgs, *, exclude_embeddings: bool = False) -> i
 
 def _count(args: ModelArgs, *, exclude_embeddings: bool, active: bool) -> int:
     final_norm = args.d_model * (2 if args.family == "gpt2" else 1)
-    body = _blocks_params(args, active=active) + final_norm
+    body = blocks_params(args, active=active) + final_norm
     if exclude_embeddings:
         return body
     tables = args.vocab_size * args.d_model
