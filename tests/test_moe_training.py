@@ -118,3 +118,18 @@ def test_bad_expert_settings_are_refused_in_one_line_before_any_rank(tmp_path, e
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert message in one_line(err)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_reruns_the_moe_forward_without_changing_the_run(
+    tmp_path, text_corpus, cache_dir, reference, policy
+):
+    """The recomputed forward routes the same tokens and its loads are not counted twice."""
+    _, out = run(
+        tmp_path, policy, text_corpus, cache_dir, "model=moe-tiny", *MOE,
+        "train.micro_batch_size=8", f"train.max_steps={STEPS}", f"recompute={policy}",
+    )  # fmt: skip
+    ref = reference("moe-tiny")
+    assert train_losses(out) == pytest.approx(train_losses(ref), rel=1e-6)
+    loads = {m["step"]: m["moe/load"] for m in read_metrics(out) if "moe/load" in m}
+    assert loads == {m["step"]: m["moe/load"] for m in read_metrics(ref) if "moe/load" in m}

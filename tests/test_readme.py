@@ -4,6 +4,7 @@ strategy, precision, ranks, sweep); overrides appended after them shrink the run
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -50,12 +51,17 @@ def _cases():
         yield pytest.param(args, marks=marks, id=command or "(defaults)")
 
 
-def tiny(tmp_path: Path, corpus: Path, cache: Path, sweep: bool) -> list[str]:
+# Models small enough to run as the README names them; any other runs as gpt2-tiny.
+SMALL_MODELS = ("gpt2-tiny", "gpt2-mini", "llama-tiny", "moe-tiny")
+
+
+def tiny(tmp_path: Path, corpus: Path, cache: Path, args: list[str]) -> list[str]:
     """Overrides that make any README run a few seconds long; warmup stays the default."""
-    where = f"hydra.sweep.dir={tmp_path}" if sweep else f"hydra.run.dir={tmp_path}"
+    where = f"hydra.sweep.dir={tmp_path}" if "-m" in args else f"hydra.run.dir={tmp_path}"
+    named = next((a.split("=", 1)[1] for a in args if a.startswith("model=")), None)
     return [
         where,
-        "model=gpt2-tiny",
+        f"model={named if named in SMALL_MODELS else 'gpt2-tiny'}",
         "data=files",
         f"data.path={corpus}",
         f"data.cache_dir={cache}",
@@ -78,10 +84,9 @@ def test_readme_has_train_commands():
 
 @pytest.mark.parametrize("args", list(_cases()))
 def test_readme_command_runs(tmp_path, text_corpus, cache_dir, args):
-    sweep = "-m" in args
     cmd = [sys.executable, "train.py", *args]
     if "--cfg" not in args:
-        cmd += tiny(tmp_path / "out", text_corpus, cache_dir, sweep)
+        cmd += tiny(tmp_path / "out", text_corpus, cache_dir, args)
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     if "--cfg" in args:
@@ -89,6 +94,9 @@ def test_readme_command_runs(tmp_path, text_corpus, cache_dir, args):
         return
     summaries = list((tmp_path / "out").rglob("summary.json"))
     assert summaries, "no summary.json written"
+    named = next((a.split("=", 1)[1] for a in args if a.startswith("model=")), None)
+    if named in SMALL_MODELS:  # the README's small model ran, not the stand-in
+        assert all(json.loads(s.read_text())["model"] == named for s in summaries)
     if not args:
         # The default warmup (30 steps) does not fit 2 steps: clamped, and the log says so.
         # (The console wraps long lines: compare with whitespace collapsed.)

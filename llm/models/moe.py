@@ -193,8 +193,8 @@ class MoE(nn.Module):
         """``order`` without the assignments past their expert's capacity: the global
         micro-batch's first come (earlier ranks, then earlier tokens) are kept."""
         sorted_experts = flat[order]
-        starts = torch.cumsum(torch.bincount(flat, minlength=self.moe.n_experts), 0)
-        starts = starts - torch.bincount(flat, minlength=self.moe.n_experts)
+        mine = torch.bincount(flat, minlength=self.moe.n_experts)
+        starts = torch.cumsum(mine, 0) - mine  # where each expert's run begins in ``order``
         rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts[sorted_experts]
         slot = before[sorted_experts] + rank_in_expert  # place in the global queue
         return order[slot < self.capacity(total.sum())]
