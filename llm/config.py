@@ -205,9 +205,8 @@ class ParallelismConfig:
     dp_size: int = -1  # -1: every rank is a data-parallel rank
     tp_size: int = 1  # tensor parallel ranks (innermost mesh dimension); docs/parallel.md
     pp_size: int = 1  # pipeline stages (outermost mesh dimension); docs/parallel.md
-    # Expert parallel ranks, splitting each MoE layer's experts (docs/parallel.md, "Mixture
-    # of experts"). Only 1 trains yet: the exchange is built and tested per layer, the
-    # strategies that hold expert shards are not.
+    # Expert parallel ranks, splitting each MoE layer's experts over the dp ranks
+    # (docs/parallel.md, "Mixture of experts"); parallelism=ddp only, so far.
     ep_size: int = 1
     pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
     # Micro-batches the schedule splits each loader batch into; -1: pp_size.

@@ -37,6 +37,7 @@ from llm.models import (
 )
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.expert_parallel import expert_mesh
 from llm.parallel.expert_parallel import install as install_expert_exchanges
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
 from llm.parallel.tensor_parallel import apply_tensor_parallel, padded_vocab
@@ -215,8 +216,10 @@ def _train(
     model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears
     scaler = build_loss_scaler(cfg.precision, precision.loss_scaling)
     strategy = build_strategy(cfg.parallelism, dims, precision, device, scaler, run_config=cfg)
-    if dims.dp_size > 1:  # MoE layers count their experts' tokens over the global batch
-        install_expert_exchanges(model, dims.dp_group())
+    if dims.dp_size > 1:  # MoE layers route over the global batch; ep_size splits experts
+        ep = cfg.parallelism.ep_size
+        mesh = expert_mesh(device.type, dims.dp_size, ep) if ep > 1 else None
+        strategy.experts = install_expert_exchanges(model, dims.dp_group(), mesh, weights, device)
     model = strategy.wrap(model, weights)
     if cfg.train.compile:
         model = torch.compile(model)
@@ -325,6 +328,7 @@ def _run_facts(
         "dp_size": dims.dp_size,
         "tp_size": dims.tp_size,
         "pp_size": dims.pp_size,
+        "ep_size": cfg.parallelism.ep_size,
         "strategy": cfg.parallelism.name,
         "precision": precision.name,
         "model": cfg.model.name,

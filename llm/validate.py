@@ -302,11 +302,10 @@ def _check_experts(args: ModelArgs, p, nproc: int) -> None:
             f"parallelism=deepspeed with ep_size={ep}: DeepSpeed-MoE is not a backend here; "
             "use ep_size=1"
         )
-    if ep > 1:
+    if ep > 1 and p.name != "ddp":
         raise ConfigError(
-            f"parallelism.ep_size={ep}: no strategy holds expert shards yet (the all-to-all "
-            "exchange is tested per layer, llm/parallel/expert_parallel.py); use ep_size=1, "
-            "which replicates the experts over the data-parallel ranks"
+            f"parallelism={p.name} with ep_size={ep}: only ddp holds expert shards yet; use "
+            "parallelism=ddp, or ep_size=1 (experts replicated over the data-parallel ranks)"
         )
 
 

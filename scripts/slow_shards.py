@@ -30,7 +30,8 @@ SHARDS = {
         "tests/test_cli.py",
         "tests/faults/test_run_faults.py",
     ],
-    # Tensor, pipeline and 2-D parallelism, DeepSpeed, FSDP, multi-node torchrun (about 26 min).
+    # Tensor, pipeline, expert and 2-D parallelism, DeepSpeed, FSDP, multi-node torchrun (about 27
+    # min).
     "parallel": [
         "tests/test_pipeline.py",
         "tests/test_pipeline_dp.py",
@@ -40,6 +41,7 @@ SHARDS = {
         "tests/test_deepspeed.py",
         "tests/test_fsdp.py",
         "tests/test_torchrun_nodes.py",
+        "tests/test_expert_parallel_training.py",
         "tests/test_benchmarks_pipeline.py",
         "tests/test_benchmarks_strategies.py",
     ],

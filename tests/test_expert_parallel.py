@@ -16,7 +16,7 @@ from llm.launch import free_port
 from llm.models import model_args
 from llm.models.moe import MoE
 from llm.models.weights import InitSource
-from llm.parallel.expert_parallel import expert_range, install
+from llm.parallel.expert_parallel import expert_mesh, expert_range, install
 
 BATCH, SEQ = 8, 12  # global: BATCH / world sequences per rank
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; rows reach the experts in another order per layout
@@ -73,11 +73,9 @@ def _rank(rank, world, port, results, ep, capacity, router):
         "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
     )
     args = _args(capacity, router)
-    # Every rank creates every group, in the same order.
-    ep_groups = [dist.new_group(list(range(g, g + ep))) for g in range(0, world, ep)]
-    edp_groups = [dist.new_group(list(range(i, world, ep))) for i in range(ep)]
+    mesh = expert_mesh("cpu", world, ep)
     layer = _layer(args)
-    install(layer, dist.group.WORLD, ep_groups[rank // ep])
+    install(layer, dist.group.WORLD, mesh)
     x, r = _inputs(args)
     per = BATCH // world
     mine = slice(rank * per, (rank + 1) * per)
@@ -89,7 +87,7 @@ def _rank(rank, world, port, results, ep, capacity, router):
     for name, param in layer.named_parameters():
         grad = param.grad.clone()
         # Expert gradients sum over the ranks that hold the same experts, the rest over all.
-        dist.all_reduce(grad, group=edp_groups[rank % ep] if "experts" in name else None)
+        dist.all_reduce(grad, group=mesh["edp"].get_group() if "experts" in name else None)
         grads[name] = grad
     results[rank] = {
         "y": y.detach(),

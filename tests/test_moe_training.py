@@ -96,7 +96,10 @@ def test_aux_losses_reach_the_gradient_and_the_load_is_logged(
             ("model=moe-tiny", "parallelism=deepspeed", "parallelism.ep_size=2"),
             "DeepSpeed-MoE is not a backend",
         ),
-        (("model=moe-tiny", "parallelism.ep_size=2"), "no strategy holds expert shards yet"),
+        (
+            ("model=moe-tiny", "parallelism=zero2", "parallelism.ep_size=2"),
+            "parallelism=zero2 with ep_size=2: only ddp holds expert shards yet",
+        ),
         (
             ("model=llama-tiny", "model.moe.top_k=2"),
             "model.moe.top_k is set but model llama-tiny is dense",

@@ -36,6 +36,8 @@ TORCH = [
     ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass_type"),
     ("torch.utils._pytree", "tree_leaves"),
     ("torch.ops", "_c10d_functional"),
+    # Expert-parallel slices kept out of DDP's all-reduce (llm/parallel/ddp.py).
+    ("torch.nn.parallel", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model"),
     # MoE experts in one kernel (llm/models/moe.py, model.moe.kernel=grouped).
     ("torch", "_grouped_mm"),
     # The foreach kernels our optimizers step with.

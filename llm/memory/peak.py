@@ -195,7 +195,10 @@ class PeakTracker:
 
     def _record(self) -> None:
         self.live.threshold = self.live.current
-        others = [(e, e.size) for e in self.live.other.values()]
+        # A copy first (one C call): a collection during the loop runs the weakref callbacks
+        # of freed storages, which take their entries out of ``other`` ("dictionary changed
+        # size during iteration", seen under 4 gloo ranks).
+        others = [(e, e.size) for e in self.live.other.copy().values()]
         self._peak = (dict(self.live.totals), others, self._phase, self.live.attention)
 
     def _finish(self) -> dict:

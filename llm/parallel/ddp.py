@@ -4,6 +4,7 @@ Its comm hook reduces each bucket in the policy's ``reduce_dtype``, divided by t
 before the all-reduce (fp16 headroom), as every strategy does, and with
 parallelism.count_comm counts each bucket's payload."""
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -37,6 +38,10 @@ class DDPStrategy(SingleStrategy):
         if weights is not None:  # a replica: the whole model on every rank
             materialize_from(model, weights, self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        if self.experts:  # differ between ep ranks: reduced over their edp ranks instead
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, list(self.experts.params)
+            )
         ddp = DistributedDataParallel(
             model,
             device_ids=device_ids,
@@ -64,9 +69,15 @@ class DDPStrategy(SingleStrategy):
             return fut.then(lambda done: done.value()[0])
         return fut.then(lambda done: buffer.copy_(done.value()[0]))
 
+    @contextlib.contextmanager
     def micro_batch(self, sync: bool):
-        return super().micro_batch(sync) if sync else self.model.no_sync()
+        with super().micro_batch(sync) if sync else self.model.no_sync():
+            yield
+        if sync and self.experts:
+            self.experts.reduce_grads(count=self.cfg.count_comm)
 
     def comm(self) -> dict[str, int]:
-        sent, self._sent = dict(self._sent), Counter()
-        return sent
+        sent, self._sent = self._sent, Counter()
+        if self.experts:
+            sent.update(self.experts.take_sent())
+        return dict(sent)

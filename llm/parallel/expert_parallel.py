@@ -26,6 +26,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from llm.models.moe import Experts, MoE
 from llm.models.weights import WeightSource
@@ -119,21 +121,111 @@ def expert_range(n_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
     return ep_rank * local, (ep_rank + 1) * local
 
 
+def expert_mesh(device_type: str, world: int, ep: int) -> DeviceMesh:
+    """(edp, ep) over the data-parallel ranks: ep groups are neighbouring ranks, ranks at
+    the same place in every group form an edp group (they hold the same experts)."""
+    return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
+
+
+class ExpertShards:
+    """The expert parameters of an expert-parallel model: this rank's slices, plain tensors
+    the optimizer steps like any other. They differ between ep ranks, so a strategy
+    - leaves their gradients to :meth:`reduce_grads` (summed over the edp ranks that hold
+      the same experts, divided by the dp size as every other gradient is averaged);
+    - counts each of their gradient elements on edp ranks, not dp (:meth:`replicas`);
+    - checkpoints them as DTensors on the (edp, ep) mesh, Replicate x Shard(0), through
+      :meth:`to_checkpoint` / :meth:`from_checkpoint`, so DCP reshards them to another
+      ep size or to one process, as it does any DTensor."""
+
+    def __init__(self, params: dict[str, nn.Parameter], mesh: DeviceMesh, dp_size: int) -> None:
+        self.params = params
+        self.mesh = mesh
+        self.ep = mesh["ep"].size()
+        self.edp_group = mesh["edp"].get_group()
+        self.dp_size = dp_size
+        self._ids = {id(p) for p in params.values()}
+        self.sent: Counter[str] = Counter()
+
+    def holds(self, param: Tensor) -> bool:
+        return id(param) in self._ids
+
+    def replicas(self, dp_replicas: int) -> int:
+        """Ranks holding one expert gradient element, where a replicated one has
+        ``dp_replicas``."""
+        return dp_replicas // self.ep
+
+    @torch.no_grad()
+    def reduce_grads(self, count: bool = False) -> None:
+        for param in self.params.values():
+            if param.grad is None:
+                continue
+            param.grad.div_(self.dp_size)
+            if self.mesh["edp"].size() > 1:
+                dist.all_reduce(param.grad, group=self.edp_group)
+                if count:
+                    self.sent["all_reduce"] += param.grad.numel() * param.grad.element_size()
+
+    def take_sent(self) -> dict[str, int]:
+        sent, self.sent = dict(self.sent), Counter()
+        return sent
+
+    def _as_dtensor(self, local: Tensor) -> DTensor:
+        shape = (local.shape[0] * self.ep, *local.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            local, self.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape, stride=stride
+        )
+
+    def to_checkpoint(self, state: dict) -> dict:
+        """``state`` ({"model", "optimizer"} as get_state_dict makes them) with every expert
+        tensor, and each optimizer state tensor that has an expert's leading dimension, as a
+        DTensor viewing the same storage (DCP's load writes into the parameter itself)."""
+        model = dict(state["model"])
+        optim = {**state["optimizer"], "state": dict(state["optimizer"]["state"])}
+        for name, param in self.params.items():
+            model[name] = self._as_dtensor(model[name])
+            if name in optim["state"]:
+                optim["state"][name] = {
+                    key: self._as_dtensor(v) if _leads_with(v, param.shape[0]) else v
+                    for key, v in optim["state"][name].items()
+                }
+        return {**state, "model": model, "optimizer": optim}
+
+    def from_checkpoint(self, state: dict) -> dict:
+        """The inverse of :meth:`to_checkpoint`: local tensors again."""
+
+        def local(v):
+            return v.to_local() if isinstance(v, DTensor) else v
+
+        model = {k: local(v) for k, v in state["model"].items()}
+        optim = {**state["optimizer"], "state": {
+            name: {key: local(v) for key, v in entry.items()}
+            for name, entry in state["optimizer"]["state"].items()
+        }}  # fmt: skip
+        return {**state, "model": model, "optimizer": optim}
+
+
+def _leads_with(value, experts: int) -> bool:
+    return isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == experts
+
+
 def install(
     model: nn.Module,
     dp_group,
-    ep_group=None,
+    mesh: DeviceMesh | None = None,
     weights: WeightSource | None = None,
-) -> list[nn.Parameter]:
-    """Give every MoE layer of ``model`` its exchange; with ``ep_group`` of more than one
-    rank, cut its experts to this rank's, read from ``weights`` (or from the layer's own
-    values when the model is materialised). Returns the expert parameters (empty without
-    expert parallelism): they differ between ep ranks, every other parameter does not."""
-    local_params: list[nn.Parameter] = []
+    device: torch.device | None = None,
+) -> ExpertShards | None:
+    """Give every MoE layer of ``model`` its exchange. With an (edp, ep) ``mesh`` of ep > 1,
+    cut each layer's experts to this rank's, read from ``weights`` on ``device`` (or from
+    the layer's own values when the model is materialised), and return them as
+    :class:`ExpertShards`; None without expert parallelism."""
+    ep_group = mesh["ep"].get_group() if mesh is not None and mesh["ep"].size() > 1 else None
+    shards: dict[str, nn.Parameter] = {}
     for name, module in model.named_modules():
         if not isinstance(module, MoE):
             continue
-        if ep_group is None or dist.get_world_size(ep_group) == 1:
+        if ep_group is None:
             module.exchange = DataParallelCounts(dp_group)
             continue
         n_experts = module.moe.n_experts
@@ -142,14 +234,14 @@ def install(
         for w in ("w1", "w3", "w2"):
             param = getattr(module.experts, w)
             if weights is not None:
-                value = weights.rows(f"{name}.experts.{w}", lo, hi, _device_of(model))
+                value = weights.rows(f"{name}.experts.{w}", lo, hi, device)
             else:
-                value = param.detach()[lo:hi].clone()
+                value = param.detach()[lo:hi]
+            # A storage of its own: a source's rows may view the whole tensor.
+            value = value.to(param.dtype, copy=True)
             local = nn.Parameter(value, requires_grad=param.requires_grad)
             setattr(module.experts, w, local)
-            local_params.append(local)
-    return local_params
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+            shards[f"{name}.experts.{w}"] = local
+    if ep_group is None:
+        return None
+    return ExpertShards(shards, mesh, dist.get_world_size(dp_group))

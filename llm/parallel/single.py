@@ -40,7 +40,14 @@ class SingleStrategy(StrategyBase):
         each gradient's share of the summed norm."""
         tp = self.dims.tp_size
         pp = self.schedule.grad_copies if self.schedule is not None else lambda _: 1
-        return [self.dp_replicas * tp_copies(p, tp) * pp(p) for p in self._params_with_grads()]
+        dp = self.dp_replicas
+        experts = self.experts
+        return [
+            (experts.replicas(dp) if experts and experts.holds(p) else dp)
+            * tp_copies(p, tp)
+            * pp(p)
+            for p in self._params_with_grads()
+        ]
 
     def _params_with_grads(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.grad is not None]
@@ -117,7 +124,8 @@ class SingleStrategy(StrategyBase):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         if self.schedule is not None:
             optim_sd = self.schedule.checkpoint_names(optim_sd, whole=True)
-        return {"model": model_sd, "optimizer": optim_sd, "loss_scaler": self.scaler.state_dict()}
+        state = {"model": model_sd, "optimizer": optim_sd, "loss_scaler": self.scaler.state_dict()}
+        return self.experts.to_checkpoint(state) if self.experts else state
 
     @torch.no_grad()
     def _create_optimizer_state(self) -> None:
@@ -134,6 +142,8 @@ class SingleStrategy(StrategyBase):
                     materialize_state(self.optimizer, [(param, gi)])
 
     def load_state_dict(self, state: dict) -> None:
+        if self.experts:
+            state = self.experts.from_checkpoint(state)
         optim_sd = state["optimizer"]
         if self.schedule is not None:
             optim_sd = self.schedule.checkpoint_names(optim_sd, whole=False)

@@ -46,6 +46,7 @@ from llm.optim import (
     gradient_pass,
 )
 from llm.parallel.comm_counter import MeshCommCounter
+from llm.parallel.expert_parallel import ExpertShards
 from llm.parallel.mesh import MESH_DIMS, ParallelDims
 from llm.parallel.pipeline import GradSync, Pipeline, PipelinePart
 from llm.parallel.step import StepResult
@@ -112,6 +113,9 @@ class StrategyBase:
         # that a strategy that cuts parameters cuts them at block boundaries; set before wrap
         # (build_strategy does, from the run's optimizer).
         self.quant_block = 1
+        # Expert parallel (parallelism.ep_size > 1): the model's expert slices, set before
+        # wrap (llm/parallel/expert_parallel.py; ddp takes them, the others refuse ep).
+        self.experts: ExpertShards | None = None
 
     def _attach_pipeline(self, model: nn.Module, grad_sync: GradSync | None = None) -> None:
         """Under pipeline parallel (``model`` is this rank's PipelinePart, materialised and

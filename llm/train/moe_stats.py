@@ -68,6 +68,15 @@ class MoEStats:
         }
         self._reset()
 
+    def comm(self) -> dict[str, int]:
+        """Bytes the layers' exchanges sent since the last call (counts, all-to-all)."""
+        sent: dict[str, int] = {}
+        for layer in self.layers:
+            take = getattr(layer.exchange, "take_sent", None)
+            for kind, n in (take() if take else {}).items():
+                sent[kind] = sent.get(kind, 0) + n
+        return sent
+
     def metrics(self) -> dict:
         """The last step's figures for the logger (one host read)."""
         if not self.last:

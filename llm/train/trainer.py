@@ -481,7 +481,7 @@ class Trainer:
     def _account(self, result: StepResult) -> None:
         """What a step leaves on the host: whether it was skipped, and bytes sent."""
         self.state.skipped_steps += result.skipped
-        for kind, sent in self.strategy.comm().items():
+        for kind, sent in (self.strategy.comm() | self.moe.comm()).items():
             self.state.comm_per_step[kind] = self.state.comm_per_step.get(kind, 0) + sent
         self.state.comm_steps += 1
 
