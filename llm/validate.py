@@ -18,7 +18,7 @@ from llm.config import Config
 from llm.data.tokenizer import ByteTokenizer
 from llm.errors import ConfigError
 from llm.models import HFSource, ModelArgs, build_model, freeze, model_args
-from llm.optim import OPTIMIZERS
+from llm.optim import ELEMENTWISE, OPTIMIZERS
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline import check_layout
 from llm.parallel.strategy import refuse_optimizer
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 # Local CPU ranks per usable core beyond which a run is refused without
 # launcher.allow_oversubscribe=true: 64 ranks on 2 cores took 4 minutes to step 1 and 16 GB.
 RANKS_PER_CORE_LIMIT = 4
+# The strategies that hold expert slices (parallelism.ep_size > 1).
+EP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -129,7 +131,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                 "dividing it"
             )
     p = cfg.parallelism
-    _check_experts(args, p, nproc)
+    _check_experts(args, p, cfg.optimizer.name, nproc)
     check_tensor_parallel(args, tp, cfg.data.seq_len, p.sequence_parallel)
     if tp > 1 and cfg.train.compile:
         # Tried on torch 2.13 (CPU): the whole model fails in Inductor ("Mixing fake modes"
@@ -272,7 +274,7 @@ def _validate_strategy(cfg: Config, nproc: int, precision, device: torch.device)
         )
 
 
-def _check_experts(args: ModelArgs, p, nproc: int) -> None:
+def _check_experts(args: ModelArgs, p, optimizer: str, nproc: int) -> None:
     """MoE models and parallelism.ep_size: what runs, and one line for what does not."""
     ep = p.ep_size
     if args.moe is None:
@@ -302,10 +304,22 @@ def _check_experts(args: ModelArgs, p, nproc: int) -> None:
             f"parallelism=deepspeed with ep_size={ep}: DeepSpeed-MoE is not a backend here; "
             "use ep_size=1"
         )
-    if ep > 1 and p.name != "ddp":
+    if ep > 1 and p.name not in EP_STRATEGIES:
         raise ConfigError(
-            f"parallelism={p.name} with ep_size={ep}: only ddp holds expert shards yet; use "
-            "parallelism=ddp, or ep_size=1 (experts replicated over the data-parallel ranks)"
+            f"parallelism={p.name} with ep_size={ep}: expert shards are held by "
+            f"{', '.join(EP_STRATEGIES)} only; use one of them, or ep_size=1 (experts "
+            "replicated over the data-parallel ranks)"
+        )
+    if ep > 1 and OPTIMIZERS[optimizer].layout != ELEMENTWISE:
+        raise ConfigError(
+            f"optimizer={optimizer} with ep_size={ep}: expert slices step as whole local "
+            "tensors beside the strategy's shards, which only an element-wise optimizer "
+            "(adamw, lion, sgd...) does alike; use one, or ep_size=1"
+        )
+    if ep > 1 and p.offload_optimizer:
+        raise ConfigError(
+            f"parallelism.offload_optimizer=true with ep_size={ep}: expert slices step on the "
+            "device; set offload_optimizer=false or ep_size=1"
         )
 
 

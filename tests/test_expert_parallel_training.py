@@ -1,4 +1,4 @@
-"""moe-tiny trained with expert parallelism under ddp (parallelism.ep_size) against one
+"""moe-tiny trained with expert parallelism under ddp and our ZeRO (parallelism.ep_size) against one
 process: same seed, data and global batch of 8 sequences, fp32, dropless routing. Losses
 and clipping norms within 1e-5 relative, final weights (read back through DCP, whole) within
 1e-4 (helpers.assert_run_matches): the experts compute the same rows in another order.
@@ -19,47 +19,57 @@ def reference(tmp_path_factory, text_corpus, cache_dir):
     return reference_runs(tmp_path_factory, text_corpus, cache_dir, STEPS, *MOE)
 
 
-def _ep_run(tmp_path, text_corpus, cache_dir, name, ranks, ep, *extra):
+def _ep_run(tmp_path, text_corpus, cache_dir, name, ranks, ep, *extra, strategy="ddp"):
     return run(
-        tmp_path, name, text_corpus, cache_dir, "model=moe-tiny", *MOE, "parallelism=ddp",
-        f"parallelism.ep_size={ep}", f"launcher.nproc_per_node={ranks}",
-        f"train.micro_batch_size={8 // ranks}", f"train.max_steps={STEPS}", *extra,
+        tmp_path, name, text_corpus, cache_dir, "model=moe-tiny", *MOE,
+        f"parallelism={strategy}", f"parallelism.ep_size={ep}",
+        f"launcher.nproc_per_node={ranks}", f"train.micro_batch_size={8 // ranks}",
+        f"train.max_steps={STEPS}", *extra,
     )  # fmt: skip
 
 
-def test_ep2_on_two_ranks_equals_one_process(tmp_path, text_corpus, cache_dir, reference):
-    """The README's command: the experts split over both ranks (edp = 1); the all-to-all
-    bytes are counted every step."""
+@pytest.mark.parametrize(
+    "strategy",
+    ["ddp", "zero2", *(pytest.param(s, marks=pytest.mark.slow) for s in ("zero1", "zero3"))],
+)
+def test_ep2_on_two_ranks_equals_one_process(tmp_path, text_corpus, cache_dir, reference, strategy):
+    """The README's command (zero2): the experts split over both ranks (edp = 1), the rest
+    under the strategy; the all-to-all bytes are counted every step."""
     summary, out = _ep_run(
-        tmp_path, text_corpus, cache_dir, "ep2", 2, 2, "parallelism.count_comm=true"
-    )
+        tmp_path, text_corpus, cache_dir, "ep2", 2, 2, "parallelism.count_comm=true",
+        strategy=strategy,
+    )  # fmt: skip
     assert summary["ep_size"] == 2
     assert_run_matches(reference("moe-tiny"), out, STEPS)
     assert all(c["all_to_all"] > 0 for c in summary["comm_bytes_per_step"])
-    # Each rank holds half of every layer's experts: the per-rank parameter bytes drop by
-    # half of the experts' (2 layers x 3 x 8 x 96 x 64 fp32 values).
-    experts = 2 * 3 * 8 * 96 * 64 * 4
-    ep1_params = 4 * summary["n_params"]
-    assert all(s["params"] == ep1_params - experts // 2 for s in summary["model_state_bytes"])
+    if strategy == "ddp":
+        # Each rank holds half of every layer's experts: the per-rank parameter bytes drop
+        # by half of the experts' (2 layers x 3 x 8 x 96 x 64 fp32 values).
+        experts = 2 * 3 * 8 * 96 * 64 * 4
+        ep1_params = 4 * summary["n_params"]
+        assert all(s["params"] == ep1_params - experts // 2 for s in summary["model_state_bytes"])
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 @pytest.mark.parametrize("ep", [2, 4])
-def test_four_ranks_equal_one_process(tmp_path, text_corpus, cache_dir, reference, ep):
+def test_four_ranks_equal_one_process(tmp_path, text_corpus, cache_dir, reference, ep, strategy):
     """ep 2 on 4 ranks: two replicas of each expert slice, reduced over their edp pair."""
-    _, out = _ep_run(tmp_path, text_corpus, cache_dir, f"ep{ep}", 4, ep)
+    _, out = _ep_run(tmp_path, text_corpus, cache_dir, f"ep{ep}", 4, ep, strategy=strategy)
     assert_run_matches(reference("moe-tiny"), out, STEPS)
 
 
 def test_checkpoints_move_from_ep2_to_one_process_and_back(
     tmp_path, text_corpus, cache_dir, reference
 ):
-    """Saved at ep 2 after step 1; one process resumes it whole, and ep 2 resumes one
-    process's step-2 checkpoint; every resumed step is the uninterrupted run's."""
+    """Saved at ep 2 under zero2 after step 1; one process resumes it whole, and ep 2 under
+    ddp resumes one process's step-2 checkpoint; every resumed step is the uninterrupted
+    run's."""
     ref = reference("moe-tiny")
     _, ep2 = _ep_run(
-        tmp_path, text_corpus, cache_dir, "ep2", 2, 2, "train.stop_at_step=1", "checkpoint.every=1"
-    )
+        tmp_path, text_corpus, cache_dir, "ep2", 2, 2, "train.stop_at_step=1",
+        "checkpoint.every=1", strategy="zero2",
+    )  # fmt: skip
     _, single = run(
         tmp_path, "single", text_corpus, cache_dir, "model=moe-tiny", *MOE,
         "train.micro_batch_size=8", f"train.max_steps={STEPS}", "checkpoint.every=1",
@@ -82,6 +92,6 @@ def test_checkpoints_move_from_ep4_to_ep2(tmp_path, text_corpus, cache_dir, refe
     )
     _, ep2 = _ep_run(
         tmp_path, text_corpus, cache_dir, "ep2", 2, 2,
-        f"checkpoint.resume={ep4 / 'checkpoints' / 'step_000001'}",
+        f"checkpoint.resume={ep4 / 'checkpoints' / 'step_000001'}", strategy="zero2",
     )  # fmt: skip
     assert_run_matches(ref, ep2, STEPS, first_step=2)

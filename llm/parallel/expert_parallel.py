@@ -169,7 +169,7 @@ class ExpertShards:
         sent, self.sent = dict(self.sent), Counter()
         return sent
 
-    def _as_dtensor(self, local: Tensor) -> DTensor:
+    def as_dtensor(self, local: Tensor) -> DTensor:
         shape = (local.shape[0] * self.ep, *local.shape[1:])
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(
@@ -183,13 +183,18 @@ class ExpertShards:
         model = dict(state["model"])
         optim = {**state["optimizer"], "state": dict(state["optimizer"]["state"])}
         for name, param in self.params.items():
-            model[name] = self._as_dtensor(model[name])
+            model[name] = self.as_dtensor(model[name])
             if name in optim["state"]:
-                optim["state"][name] = {
-                    key: self._as_dtensor(v) if _leads_with(v, param.shape[0]) else v
-                    for key, v in optim["state"][name].items()
-                }
+                optim["state"][name] = self.state_entry(optim["state"][name], param)
         return {**state, "model": model, "optimizer": optim}
+
+    def state_entry(self, state: dict, param: Tensor) -> dict:
+        """An expert's optimizer state for a checkpoint: tensors with the slice's leading
+        (experts) dimension as DTensors, the rest (AdamW's step) as they are."""
+        return {
+            key: self.as_dtensor(v) if _leads_with(v, param.shape[0]) else v
+            for key, v in state.items()
+        }
 
     def from_checkpoint(self, state: dict) -> dict:
         """The inverse of :meth:`to_checkpoint`: local tensors again."""

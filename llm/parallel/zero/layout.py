@@ -93,6 +93,7 @@ def build_buckets(
     shape_of: ShapeOf = local_shape,
     alone: nn.Parameter | None = None,
     align: int = 1,
+    skip: frozenset = frozenset(),
 ) -> list[Bucket]:
     """Pack ``(name, param, unit)`` in order into buckets; a new bucket starts when the
     current one would pass ``bucket_numel``, the unit changes or ``requires_grad`` does.
@@ -139,13 +140,15 @@ def model_buckets(
     shape_of: ShapeOf = local_shape,
     alone: nn.Parameter | None = None,
     align: int = 1,
+    skip: frozenset = frozenset(),
 ) -> list[Bucket]:
     """The buckets of ``model`` (meta or materialised) under ZeRO ``stage`` on ``world``
     data-parallel ranks: the strategy builds its buffers from them and llm.estimate sizes
     them (a plain meta model, with tensor parallel's local shapes as ``shape_of``), so the
     estimate is this layout. Stage 3's gather units are the blocks in order, then the root
     (everything outside ``model.layers``); stages 1-2 keep model order in one unit.
-    ``alone``, ``align``: build_buckets'."""
+    ``alone``, ``align``: build_buckets'. ``skip``: parameters no bucket holds (expert
+    slices, which differ between ranks: llm/parallel/expert_parallel.py)."""
     blocks = model_blocks(model)
     root = len(blocks) if stage == 3 else 0
     unit_of = {}
@@ -155,7 +158,7 @@ def model_buckets(
                 unit_of[p] = i
     # Frozen parameters are bucketed too (apart from trainable ones): stage 3 shards them,
     # and every stage keeps them in the working dtype.
-    named = [(n, p, unit_of.get(p, root)) for n, p in model.named_parameters()]
+    named = [(n, p, unit_of.get(p, root)) for n, p in model.named_parameters() if p not in skip]
     if stage == 3:
         named.sort(key=lambda item: item[2])  # blocks in order, then the root
     bucket_numel = max(1, int(bucket_cap_mb * 2**20 / working_itemsize))

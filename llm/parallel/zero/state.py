@@ -145,6 +145,8 @@ def checkpoint_state(strategy) -> dict:
                 | {k: state[k] for k in kinds["whole"] if piece}
                 | {k: _scalar(v) for k, v in kinds["scalars"].items()},
             )
+    if strategy.experts:
+        _expert_state(strategy, model_sd, optim_state, group_names)
     for name, value in strategy.model.state_dict(keep_vars=True).items():
         name = param_name(name)
         if name not in model_sd:  # buffers, and a tied weight's second name
@@ -159,6 +161,22 @@ def checkpoint_state(strategy) -> dict:
         "optimizer": {"state": optim_state, "param_groups": groups},
         "loss_scaler": strategy.scaler.state_dict(),
     }
+
+
+def _expert_state(strategy, model_sd: dict, optim_state: dict, group_names: list) -> None:
+    """Expert slices, outside the buckets: each whole on its rank, saved as a DTensor on the
+    (edp, ep) mesh with its moments (llm/parallel/expert_parallel.py), so DCP reshards them
+    to any ep size or one process. Their optimizer state is made first, like the pieces'."""
+    experts, optimizer = strategy.experts, strategy.optimizer
+    group_of = {id(t): i for i, g in enumerate(optimizer.param_groups) for t in g["params"]}
+    params = experts.params
+    missing = [(p, group_of[id(p)]) for p in params.values() if p not in optimizer.state]
+    if missing:
+        materialize_state(optimizer, missing)
+    for name, param in params.items():
+        model_sd[name] = experts.as_dtensor(param.detach())
+        optim_state[name] = experts.state_entry(optimizer.state[param], param)
+        group_names[group_of[id(param)]].append(name)
 
 
 def _nested_as_bitsandbytes(optimizer, entries: dict) -> dict:

@@ -145,6 +145,7 @@ class ZeroStrategy(StrategyBase):
             self.world,
             alone=tied,
             align=self.quant_block,
+            skip=frozenset(self.experts.params.values()) if self.experts else frozenset(),
         )
         master_device = torch.device("cpu") if self.cfg.offload_optimizer else self.device
         return [
@@ -189,6 +190,8 @@ class ZeroStrategy(StrategyBase):
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 groups[group_of[piece.slot.param]]["params"].append(tensor)
                 self.piece_params.append((piece, tensor))
+        for param in self.experts.params.values() if self.experts else ():
+            groups[group_of[param]]["params"].append(param)  # whole: stepped where held
         # A rank's slice may miss a group (one bucket's slice holding only matrices, say):
         # torch optimizers step empty groups as no-ops, and every rank keeps every group so
         # that param_groups line up across ranks in checkpoints.
@@ -199,6 +202,8 @@ class ZeroStrategy(StrategyBase):
         # parameter (slot) each of the optimizer's tensors, in param_groups order, is part of.
         slots = {id(s): i for i, s in enumerate(s for b in self._trainable for s in b.bucket.slots)}
         piece_of = {id(tensor): piece for piece, tensor in self.piece_params}
+        if self.experts:  # elementwise optimizers only (llm/validate.py): no whole-tensor sums
+            return self.optimizer
         self.optimizer.whole_param_squares = functools.partial(
             summed_squares,
             owners=[slots[id(piece_of[id(t)].slot)] for g in groups for t in g["params"]],
@@ -251,6 +256,8 @@ class ZeroStrategy(StrategyBase):
         else:
             if self._sync:
                 self.reducer.finish()
+            if sync and self.experts:
+                self.experts.reduce_grads(count=self.cfg.count_comm)
         finally:
             if release and self.gatherer is not None:
                 self.gatherer.free_all()
@@ -285,7 +292,13 @@ class ZeroStrategy(StrategyBase):
         pipeline parallel the sum runs over every stage too, and a tied embedding's two
         copies count once."""
         if self.dims.tp_size == 1 and self.schedule is None:
-            return [buf.grad_shard for buf in self._trainable], 1, self.group
+            shards = [buf.grad_shard for buf in self._trainable]
+            if not self.experts:
+                return shards, 1, self.group
+            # Expert slices: whole on each rank of their edp group, not sharded.
+            grads = [p.grad for p in self.experts.params.values() if p.grad is not None]
+            copies = [1] * len(shards) + [self.experts.replicas(self.world)] * len(grads)
+            return shards + grads, copies, self.group
         pp = self.schedule.grad_copies if self.schedule is not None else lambda _: 1
         grads, copies = [], []
         for buf in self._trainable:
@@ -326,6 +339,9 @@ class ZeroStrategy(StrategyBase):
             for piece in buf.pieces:
                 if not torch.isfinite(buf.grad_shard[piece.start - lo : piece.stop - lo]).all():
                     names.append(piece.slot.name)
+        for name, param in self.experts.params.items() if self.experts else ():
+            if param.grad is not None and not torch.isfinite(param.grad).all():
+                names.append(name)
         return names
 
     def _attach_grads(self) -> None:
@@ -368,6 +384,8 @@ class ZeroStrategy(StrategyBase):
                 buf.grad_full.zero_()
         for _, tensor in self.piece_params:
             tensor.grad = None
+        for param in self.experts.params.values() if self.experts else ():
+            param.grad = None
 
     # ---- accounting and checkpoints ---------------------------------------------------
     def _count(self, kind: str, payload: torch.Tensor) -> None:
@@ -377,8 +395,10 @@ class ZeroStrategy(StrategyBase):
     def comm(self) -> dict[str, int]:
         """Payload bytes of our collectives on the dp group, and under tensor parallel
         DTensor's on the mesh by dimension (``tp.*``)."""
-        sent, self._sent = dict(self._sent), Counter()
-        return sent | self.tp_comm()
+        sent, self._sent = self._sent, Counter()
+        if self.experts:
+            sent.update(self.experts.take_sent())
+        return dict(sent) | self.tp_comm()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Working params (stage 3: the full buffers hold only the blocks gathered now, their
@@ -389,8 +409,10 @@ class ZeroStrategy(StrategyBase):
         if self.reducer is not None:
             in_flight = [t for _, payload, out, _ in self.reducer.pending for t in (payload, out)]
         grads = [t for b in self.buffers for t in (b.grad_full, b.grad_shard, b.host_grad)]
+        experts = list(self.experts.params.values()) if self.experts else []
+        grads += [p.grad for p in experts]
         return {
-            "params": [b.full for b in self.buffers] + [b.shard for b in self.buffers],
+            "params": [b.full for b in self.buffers] + [b.shard for b in self.buffers] + experts,
             "grads": [t for t in grads if t is not None] + in_flight,
             "optimizer_states": [b.master for b in self.buffers if b.master is not b.shard]
             + optimizer_state_tensors(self.optimizer),
