@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # launcher.allow_oversubscribe=true: 64 ranks on 2 cores took 4 minutes to step 1 and 16 GB.
 RANKS_PER_CORE_LIMIT = 4
 # The strategies that hold expert slices (parallelism.ep_size > 1).
-EP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+EP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def resolve_device(cfg: Config) -> torch.device:

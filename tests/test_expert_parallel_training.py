@@ -1,5 +1,5 @@
-"""moe-tiny trained with expert parallelism under ddp and our ZeRO (parallelism.ep_size) against one
-process: same seed, data and global batch of 8 sequences, fp32, dropless routing. Losses
+"""moe-tiny trained with expert parallelism (parallelism.ep_size) under ddp, our ZeRO and
+FSDP2 against one process: same seed, data and global batch of 8 sequences, fp32, dropless routing. Losses
 and clipping norms within 1e-5 relative, final weights (read back through DCP, whole) within
 1e-4 (helpers.assert_run_matches): the experts compute the same rows in another order.
 Checkpoints move between ep sizes and to one process through DCP (expert slices saved as
@@ -30,7 +30,12 @@ def _ep_run(tmp_path, text_corpus, cache_dir, name, ranks, ep, *extra, strategy=
 
 @pytest.mark.parametrize(
     "strategy",
-    ["ddp", "zero2", *(pytest.param(s, marks=pytest.mark.slow) for s in ("zero1", "zero3"))],
+    [
+        "ddp",
+        "zero2",
+        "fsdp",
+        *(pytest.param(s, marks=pytest.mark.slow) for s in ("zero1", "zero3")),
+    ],
 )
 def test_ep2_on_two_ranks_equals_one_process(tmp_path, text_corpus, cache_dir, reference, strategy):
     """The README's command (zero2): the experts split over both ranks (edp = 1), the rest
@@ -51,7 +56,7 @@ def test_ep2_on_two_ranks_equals_one_process(tmp_path, text_corpus, cache_dir, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
 @pytest.mark.parametrize("ep", [2, 4])
 def test_four_ranks_equal_one_process(tmp_path, text_corpus, cache_dir, reference, ep, strategy):
     """ep 2 on 4 ranks: two replicas of each expert slice, reduced over their edp pair."""
@@ -63,7 +68,7 @@ def test_checkpoints_move_from_ep2_to_one_process_and_back(
     tmp_path, text_corpus, cache_dir, reference
 ):
     """Saved at ep 2 under zero2 after step 1; one process resumes it whole, and ep 2 under
-    ddp resumes one process's step-2 checkpoint; every resumed step is the uninterrupted
+    fsdp resumes one process's step-2 checkpoint; every resumed step is the uninterrupted
     run's."""
     ref = reference("moe-tiny")
     _, ep2 = _ep_run(
@@ -78,7 +83,7 @@ def test_checkpoints_move_from_ep2_to_one_process_and_back(
     assert_run_matches(ref, single, STEPS, first_step=2)
     _, back = _ep_run(
         tmp_path, text_corpus, cache_dir, "ep2_again", 2, 2,
-        f"checkpoint.resume={single / 'checkpoints' / 'step_000002'}",
+        f"checkpoint.resume={single / 'checkpoints' / 'step_000002'}", strategy="fsdp",
     )  # fmt: skip
     assert_run_matches(ref, back, STEPS, first_step=3)
     assert [m["step"] for m in read_metrics(back) if "loss" in m] == [3]

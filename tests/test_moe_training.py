@@ -97,10 +97,6 @@ def test_aux_losses_reach_the_gradient_and_the_load_is_logged(
             "DeepSpeed-MoE is not a backend",
         ),
         (
-            ("model=moe-tiny", "parallelism=fsdp", "parallelism.ep_size=2"),
-            "parallelism=fsdp with ep_size=2: expert shards are held by ddp, zero1",
-        ),
-        (
             ("model=moe-tiny", "parallelism=zero2", "parallelism.ep_size=2", "optimizer=adafactor"),
             "optimizer=adafactor with ep_size=2: expert slices step as whole local tensors",
         ),

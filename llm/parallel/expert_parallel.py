@@ -149,10 +149,9 @@ class ExpertShards:
     def holds(self, param: Tensor) -> bool:
         return id(param) in self._ids
 
-    def replicas(self, dp_replicas: int) -> int:
-        """Ranks holding one expert gradient element, where a replicated one has
-        ``dp_replicas``."""
-        return dp_replicas // self.ep
+    def replicas(self) -> int:
+        """Ranks holding one expert gradient element once reduced: its edp group."""
+        return self.dp_size // self.ep
 
     @torch.no_grad()
     def reduce_grads(self, count: bool = False) -> None:
@@ -197,14 +196,15 @@ class ExpertShards:
         }
 
     def from_checkpoint(self, state: dict) -> dict:
-        """The inverse of :meth:`to_checkpoint`: local tensors again."""
+        """The inverse of :meth:`to_checkpoint`: the expert entries local tensors again (a
+        strategy's own DTensors, FSDP's shards, stay as they are)."""
 
-        def local(v):
-            return v.to_local() if isinstance(v, DTensor) else v
+        def local(name: str, v):
+            return v.to_local() if name in self.params and isinstance(v, DTensor) else v
 
-        model = {k: local(v) for k, v in state["model"].items()}
+        model = {k: local(k, v) for k, v in state["model"].items()}
         optim = {**state["optimizer"], "state": {
-            name: {key: local(v) for key, v in entry.items()}
+            name: {key: local(name, v) for key, v in entry.items()}
             for name, entry in state["optimizer"]["state"].items()
         }}  # fmt: skip
         return {**state, "model": model, "optimizer": optim}

@@ -110,6 +110,9 @@ class FSDPStrategy(SingleStrategy):
             "mesh": self.mesh,
             "mp_policy": self._mixed_precision(),
             "offload_policy": self._offload(),
+            # Expert slices differ between ep ranks: FSDP leaves them whole and plain, and
+            # micro_batch reduces their gradients over their edp ranks.
+            "ignored_params": set(self.experts.params.values()) if self.experts else None,
         }
         # The roots: the model, or under pipeline parallel each of this rank's stages (the
         # modules a schedule runs, each with its blocks).
@@ -139,10 +142,16 @@ class FSDPStrategy(SingleStrategy):
     ) -> None:
         """Allocate the sharded model (each rank only its shards) and fill every local
         shard from the rows it covers; nothing unsharded is ever allocated."""
+        # to_empty reallocates the expert slices too (materialised already): kept aside.
+        held = self.experts.params if self.experts else {}
+        experts = {name: param.detach().clone() for name, param in held.items()}
         for root in roots:  # each FSDP root re-registers its shards after to_empty
             # With parameter offload FSDP2 keeps the shards in host memory.
             root.to_empty(device="cpu" if self.cfg.offload_params else self.device)
         for name, param in model.named_parameters():
+            if name in experts:
+                param.copy_(experts[name])
+                continue
             local = param.to_local()
             if local.numel():
                 local.copy_(_block(weights, name, _local_region(param), local.device))
@@ -204,9 +213,12 @@ class FSDPStrategy(SingleStrategy):
         # unsharded gradients, reduced together at the micro-batch that syncs.
         self.model.set_requires_gradient_sync(sync)
         yield
+        if sync and self.experts:
+            self.experts.reduce_grads(count=self.cfg.count_comm)
 
     def comm(self) -> dict[str, int]:
-        return self.counter.take() | self.tp_comm()
+        experts = self.experts.take_sent() if self.experts else {}
+        return self.counter.take() | self.tp_comm() | experts
 
 
 def _refuse_straddled_blocks(model: nn.Module, layout: ShardLayout, cfg: OptimizerConfig) -> None:

@@ -43,9 +43,7 @@ class SingleStrategy(StrategyBase):
         dp = self.dp_replicas
         experts = self.experts
         return [
-            (experts.replicas(dp) if experts and experts.holds(p) else dp)
-            * tp_copies(p, tp)
-            * pp(p)
+            (experts.replicas() if experts and experts.holds(p) else dp) * tp_copies(p, tp) * pp(p)
             for p in self._params_with_grads()
         ]
 

@@ -297,7 +297,7 @@ class ZeroStrategy(StrategyBase):
                 return shards, 1, self.group
             # Expert slices: whole on each rank of their edp group, not sharded.
             grads = [p.grad for p in self.experts.params.values() if p.grad is not None]
-            copies = [1] * len(shards) + [self.experts.replicas(self.world)] * len(grads)
+            copies = [1] * len(shards) + [self.experts.replicas()] * len(grads)
             return shards + grads, copies, self.group
         pp = self.schedule.grad_copies if self.schedule is not None else lambda _: 1
         grads, copies = [], []
