@@ -90,11 +90,17 @@ LAYOUT_SWEEPS = ("parallel_layouts", "parallel_strategies")
 SWEPT_LAYOUTS = [(e, layout) for e in LAYOUT_SWEEPS for layout in _swept_layouts(e)]
 
 
+# Expert-parallel layouts set model=moe-tiny; tests/test_expert_parallel_training.py runs
+# each against one process.
+EP_LAYOUTS = [layout for layout in LAYOUTS if "_ep" in layout]
+
+
 def test_layout_sweeps_use_every_layout():
-    """parallel_layouts sweeps every layout gpt2-tiny's 2 blocks allow; parallel_strategies
-    adds pp4 (4 blocks)."""
-    assert sorted({layout for _, layout in SWEPT_LAYOUTS}) == LAYOUTS
-    assert set(LAYOUTS) - set(_swept_layouts("parallel_layouts")) == {"pp4"}
+    """parallel_layouts sweeps every dense layout gpt2-tiny's 2 blocks allow;
+    parallel_strategies adds pp4 (4 blocks)."""
+    assert EP_LAYOUTS
+    assert sorted({layout for _, layout in SWEPT_LAYOUTS}) == sorted(set(LAYOUTS) - set(EP_LAYOUTS))
+    assert set(LAYOUTS) - set(EP_LAYOUTS) - set(_swept_layouts("parallel_layouts")) == {"pp4"}
 
 
 @pytest.mark.parametrize(("experiment", "layout"), SWEPT_LAYOUTS)

@@ -8,7 +8,7 @@ DTensors on the (edp, ep) mesh)."""
 from __future__ import annotations
 
 import pytest
-from helpers import assert_run_matches, read_metrics, reference_runs, run
+from helpers import CONF, assert_run_matches, read_metrics, reference_runs, run
 
 STEPS = 3
 MOE = ("model.moe.z_loss_coef=0.001",)
@@ -100,3 +100,19 @@ def test_checkpoints_move_from_ep4_to_ep2(tmp_path, text_corpus, cache_dir, refe
         f"checkpoint.resume={ep4 / 'checkpoints' / 'step_000001'}", strategy="zero2",
     )  # fmt: skip
     assert_run_matches(ref, ep2, STEPS, first_step=2)
+
+
+EP_LAYOUTS = sorted(p.stem for p in (CONF / "layout").glob("*_ep*.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", EP_LAYOUTS)
+def test_every_ep_layout_equals_one_process(tmp_path, text_corpus, cache_dir, reference, layout):
+    """conf/layout's expert-parallel layouts (4 ranks, each naming model=moe-tiny, which
+    the test's own model=gpt2-tiny would override on the command line: named again)."""
+    summary, out = run(
+        tmp_path, layout, text_corpus, cache_dir, f"layout={layout}", "model=moe-tiny", *MOE,
+        "train.micro_batch_size=2", f"train.max_steps={STEPS}",
+    )  # fmt: skip
+    assert summary["model"] == "moe-tiny" and summary["ep_size"] > 1
+    assert_run_matches(reference("moe-tiny"), out, STEPS)
