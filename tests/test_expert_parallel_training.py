@@ -116,3 +116,31 @@ def test_every_ep_layout_equals_one_process(tmp_path, text_corpus, cache_dir, re
     )  # fmt: skip
     assert summary["model"] == "moe-tiny" and summary["ep_size"] > 1
     assert_run_matches(reference("moe-tiny"), out, STEPS)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_estimate_equals_the_measured_states_on_every_ep_rank(
+    tmp_path, text_corpus, cache_dir, strategy
+):
+    """python -m llm.estimate's model states (params, grads, optimizer states) equal what
+    each ep rank holds after a step, exactly: the strategy's share of the dense part plus
+    this rank's E / ep experts whole."""
+    from helpers import compose_config, small_run_overrides
+
+    from llm.estimate.estimator import estimate
+    from llm.validate import model_args_for
+
+    overrides = ("model=moe-tiny", f"parallelism={strategy}", "parallelism.ep_size=2",
+                 "launcher.nproc_per_node=2", "train.max_steps=2", "checkpoint.enabled=false")  # fmt: skip
+    summary, _ = run(tmp_path, strategy, text_corpus, cache_dir, *overrides)
+    cfg = compose_config(
+        [
+            *small_run_overrides(tmp_path / strategy, text_corpus, cache_dir, *overrides),
+            "estimate.device=cpu",
+        ]
+    )
+    args = model_args_for(cfg, vocab_size=257)
+    for rank, measured in enumerate(summary["model_state_bytes"]):
+        cfg.estimate.rank = rank
+        est = estimate(cfg, args)
+        assert {k: est.device[k] for k in measured} == measured, f"rank {rank}"

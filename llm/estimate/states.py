@@ -23,9 +23,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig
+from llm.models.moe import Experts
 from llm.optim import OPTIMIZERS, optimizer_param_groups, pieces_state_bytes
 from llm.parallel.pipeline import PipelinePart
 from llm.parallel.tensor_parallel import tp_local_shapes
@@ -70,22 +72,36 @@ def model_states(
     rank: int = 0,
 ) -> RankStates:
     """What rank ``rank`` of ``world`` holds under ``par.name`` (deepspeed: ``par.zero_stage``)."""
-    params = list(model.parameters())  # a tied weight once
+    experts = _expert_slices(model) if par.ep_size > 1 else []
+    expert_ids = {id(x) for x in experts}
+    params = [p for p in model.parameters() if id(p) not in expert_ids]  # a tied weight once
     tp = par.tp_size
     dp = world // (tp * par.pp_size)
     dp_rank = (rank // tp) % dp
     shapes = tp_local_shapes(model, tp, rank % tp)
     kinds = _kinds(model, opt)
     if par.name in ("single", "ddp"):
-        return _replica(params, shapes, policy, opt, kinds)
-    if par.name == "fsdp":  # HSDP shards within each of the replicate groups
+        out = _replica(params, shapes, policy, opt, kinds)
+    elif par.name == "fsdp":  # HSDP shards within each of the replicate groups
         shard = dp // par.replicate
-        return _fsdp(params, shapes, policy, opt, kinds, shard, dp_rank % shard, par.offload_params)
-    if par.name in ("zero1", "zero2", "zero3"):
-        return _zero(model, shapes, par, policy, opt, kinds, dp, dp_rank)
-    return paper_states(
-        sum(p.numel() for p in params), world, par.zero_stage, policy, opt, par.offload_optimizer
-    )
+        out = _fsdp(params, shapes, policy, opt, kinds, shard, dp_rank % shard, par.offload_params)
+    elif par.name in ("zero1", "zero2", "zero3"):
+        out = _zero(model, shapes, par, policy, opt, kinds, dp, dp_rank, frozenset(experts))
+    else:
+        n = sum(p.numel() for p in params)
+        return paper_states(n, world, par.zero_stage, policy, opt, par.offload_optimizer)
+    if experts:  # each rank's E / ep experts, whole beside the strategy's states
+        local = {x: torch.Size((x.shape[0] // par.ep_size, *x.shape[1:])) for x in experts}
+        extra = _replica(experts, local, policy, opt, kinds)
+        for kind, n in extra.device.items():
+            out.device[kind] += n
+    return out
+
+
+def _expert_slices(model: nn.Module) -> list[nn.Parameter]:
+    """The MoE experts' stacked weights: under expert parallelism each rank holds its slice
+    whole, outside the strategy's sharding (llm/parallel/expert_parallel.py)."""
+    return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
 
 
 def _replica(
@@ -127,7 +143,15 @@ def _fsdp(params, shapes, policy, opt, kinds, world: int, rank: int, offload: bo
 
 
 def _zero(
-    model, shapes, par: ParallelismConfig, policy, opt, kinds, world: int, rank: int
+    model,
+    shapes,
+    par: ParallelismConfig,
+    policy,
+    opt,
+    kinds,
+    world: int,
+    rank: int,
+    skip: frozenset = frozenset(),
 ) -> RankStates:
     """Mirrors llm/parallel/zero/buffers.py after a step, before zero_grad: the working
     buffers (stage 3: only the shard; gathered units are freed), the fp32 gradient shard
@@ -138,7 +162,7 @@ def _zero(
     alone = model.tied_half() if isinstance(model, PipelinePart) else None
     align = OPTIMIZERS[opt.name].quant_block or 1  # 8-bit AdamW: blocks never straddle a cut
     buckets = model_buckets(
-        model, stage, par.bucket_cap_mb, w, world, shapes.__getitem__, alone, align
+        model, stage, par.bucket_cap_mb, w, world, shapes.__getitem__, alone, align, skip
     )
     separate = policy.master_dtype != policy.working_dtype or par.offload_optimizer
     out = RankStates()
