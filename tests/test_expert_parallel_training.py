@@ -144,3 +144,35 @@ def test_estimate_equals_the_measured_states_on_every_ep_rank(
         cfg.estimate.rank = rank
         est = estimate(cfg, args)
         assert {k: est.device[k] for k in measured} == measured, f"rank {rank}"
+
+
+def test_the_plan_tries_expert_parallel_sizes_for_moe_shapes():
+    """estimate.plan=true: a MoE shape gets rows at every ep dividing the devices and the
+    experts, each with the keys estimate.json lists, the all-to-all bytes of even routing,
+    and fewer bytes per GPU for the expert slices as ep grows; a dense shape gets ep 1."""
+    from helpers import compose_config
+
+    from llm.estimate.plan import plan, plan_row
+    from llm.validate import model_args_for
+
+    base = ["logger=none", "output_dir=unused", "estimate.gpus_per_node=4", "data.seq_len=256"]
+    cfg = compose_config([*base, "model=moe-tiny"])
+    args = model_args_for(cfg, vocab_size=4096)
+    rows = [plan_row(r) for r in plan(cfg, args)]
+    keys = {"dp", "tp", "pp", "ep", "zero_stage", "recompute", "microbatches", "bytes_per_gpu",
+            "fits", "step_time_s", "bubble", "a2a_bytes"}  # fmt: skip
+    assert all(keys <= row.keys() for row in rows)
+    assert {row["ep"] for row in rows} == {1, 2, 4}
+    for row in rows:
+        moe_blocks, k, d = 2, 2, 64
+        leaving = row["micro_batch"] * 256 * k * (row["ep"] - 1) // row["ep"]
+        # bf16 activations: precision=auto on the planner's default device (cuda).
+        assert row["a2a_bytes"] == moe_blocks * row["microbatches"] * 4 * leaving * d * 2
+    same = {
+        r["ep"]: r["bytes_per_gpu"]
+        for r in rows
+        if (r["zero_stage"], r["recompute"], r["micro_batch"]) == (0, "none", 4)
+    }
+    assert same[4] < same[2] < same[1]
+    dense = compose_config([*base, "model=llama-tiny"])
+    assert {r.layout.ep for r in plan(dense, model_args_for(dense, vocab_size=4096))} == {1}

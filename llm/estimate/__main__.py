@@ -124,12 +124,14 @@ def _plan_table(cfg, rows, model: dict) -> Table:
         f"{cfg.model.name}: {_sized(model)})"
     )
     # b: sequences per micro-batch; m: micro-batches per step.
-    for name in ("dp", "tp", "pp", "zero", "recompute", "b", "m", "per GPU", "bubble", "step s"):
+    # ep: expert-parallel ranks (MoE shapes; 1 for a dense model).
+    names = ("dp", "tp", "pp", "ep", "zero", "recompute", "b", "m", "per GPU", "bubble", "step s")
+    for name in names:
         table.add_column(name, justify="right", no_wrap=True)
     for r in rows:
         lay = r.layout
         table.add_row(
-            *map(str, (lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.recompute)),
+            *map(str, (lay.dp, lay.tp, lay.pp, lay.ep, lay.zero_stage, lay.recompute)),
             str(lay.micro_batch),
             str(lay.microbatches),
             human(r.bytes_per_gpu),

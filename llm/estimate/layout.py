@@ -32,6 +32,7 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1  # stages per pipeline rank (multi-stage schedules)
+    ep: int = 1  # expert parallel ranks among the dp ranks (MoE shapes)
 
     def __post_init__(self) -> None:
         if self.pp == 1:
@@ -73,6 +74,25 @@ def block_params(args: ModelArgs, tp: int) -> int:
     return (2 * h * h + kv_weights + 3 * h * f) // tp + 2 * h  # two RMSNorm gains
 
 
+def expert_params(args: ModelArgs) -> int:
+    """Every routed expert's weights in the model (MoE shapes; 0 for a dense one)."""
+    if args.moe is None:
+        return 0
+    moe_blocks = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    return moe_blocks * args.moe.n_experts * 3 * args.d_model * args.d_expert
+
+
+def a2a_bytes(args: ModelArgs, layout: Layout, seq: int, itemsize: int) -> int:
+    """All-to-all bytes one rank sends per step with routing spread evenly: per MoE block
+    and micro-batch, the b*s*k assignments of which (ep - 1) / ep leave the rank, out in
+    dispatch and back in combine, forward and backward (docs/parallel.md)."""
+    if args.moe is None or layout.ep == 1:
+        return 0
+    moe_blocks = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    leaving = layout.micro_batch * seq * args.moe.top_k * (layout.ep - 1) // layout.ep
+    return moe_blocks * layout.microbatches * 4 * leaving * args.d_model * itemsize
+
+
 def rank_params(args: ModelArgs, layout: Layout, pp_rank: int) -> int:
     """Parameters pipeline rank ``pp_rank`` holds on one tp rank. The first stage has the
     vocab-parallel embedding (vocabulary padded to a multiple of tp) and GPT-2's position
@@ -85,7 +105,7 @@ def rank_params(args: ModelArgs, layout: Layout, pp_rank: int) -> int:
     if args.moe is None:
         n = rank_blocks(args.n_layers, layout, pp_rank) * block_params(args, layout.tp)
     else:  # MoE shapes run with tp = pp = 1 (llm/validate.py): every block, as it is
-        n = blocks_params(args)
+        n = blocks_params(args) - expert_params(args) * (layout.ep - 1) // layout.ep
     if first:
         n += table + (args.max_seq_len * h if args.family == "gpt2" else 0)
     if last:

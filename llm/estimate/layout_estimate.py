@@ -26,8 +26,10 @@ from llm.estimate.activations import layer_terms, outside_by_stage, outside_term
 from llm.estimate.cluster import Cluster, ring_seconds
 from llm.estimate.layout import (
     Layout,
+    a2a_bytes,
     block_params,
     bubble,
+    expert_params,
     in_flight,
     p2p_bytes,
     rank_blocks,
@@ -55,7 +57,7 @@ class LayoutEstimate:
     fits: bool
     step_time_s: float
     bubble: float
-    comm_bytes: dict[str, int] = field(default_factory=dict)  # per GPU and step: tp, pp, dp
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # per GPU and step: tp, pp, dp, ep
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,13 @@ def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEsti
     for name, r in stages.items():
         n = rank_params(w.args, layout, r)
         params = max(params, n)
-        states = paper_states(n, layout.dp, layout.zero_stage, w.policy, w.optimizer).device
+        # Expert slices are whole on each rank of their edp group, beside the dp sharding.
+        experts = expert_params(w.args) // layout.ep if layout.ep > 1 else 0
+        states = paper_states(n - experts, layout.dp, layout.zero_stage, w.policy, w.optimizer)
+        states = states.device
+        if experts:
+            held = paper_states(experts, 1, 0, w.policy, w.optimizer).device
+            states = {k: v + held[k] for k, v in states.items()}
         by_stage[name] = {**states, "activations": _activations(w, layout, r)}
         compute = _flops_per_token(w, layout, r) * b * s / cluster.flops_per_s
         # The blocks' collectives, and the embedding's forward and the head input's
@@ -152,6 +160,8 @@ def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEsti
         micro_batch_s = max(micro_batch_s, compute + tp_s)
     pp_bytes = p2p_bytes(w.args, layout, s, itemsize)
     micro_batch_s += pp_bytes / m / cluster.bandwidth(layout.world)
+    ep_bytes = a2a_bytes(w.args, layout, s, itemsize)  # on the critical path, not overlapped
+    micro_batch_s += ep_bytes / m / cluster.bandwidth(layout.ep) if ep_bytes else 0.0
     dp_bw = cluster.bandwidth(layout.dp * layout.tp)
     reduce = params * w.policy.reduce_dtype.itemsize
     dp_payload, end_phases = 2 * reduce, 2  # all-reduce (or reduce-scatter + all-gather)
@@ -171,5 +181,10 @@ def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEsti
         fits=total <= cluster.device_memory,
         step_time_s=pipeline_s + max(0.0, dp_s - last_backward),
         bubble=share,
-        comm_bytes={"tp": m * tp_payload, "pp": pp_bytes, "dp": dp_payload if layout.dp > 1 else 0},
+        comm_bytes={
+            "tp": m * tp_payload,
+            "pp": pp_bytes,
+            "dp": dp_payload if layout.dp > 1 else 0,
+            "ep": ep_bytes,
+        },
     )

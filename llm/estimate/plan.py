@@ -9,7 +9,9 @@ with at least one block per stage; dp what remains, dividing the global batch; m
 batches of 1-8 sequences; a pipeline needs at least pp micro-batches and what its schedule
 needs of them (llm.config.pp_schedule_problem: the interleaved schedules run whole
 rounds). The schedule, virtual stages and sequence parallel are the config's
-(parallelism.pp_schedule, pp_virtual_stages, sequence_parallel).
+(parallelism.pp_schedule, pp_virtual_stages, sequence_parallel). A mixture-of-experts shape
+runs with tp = pp = 1, and tries every expert-parallel size ep that divides the devices and
+n_experts instead.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def global_batch(cfg: Config, world: int) -> int:
 
 def layouts(cfg: Config, args: ModelArgs, cluster: Cluster, batch: int) -> Iterator[Layout]:
     par = cfg.parallelism
+    if args.moe is not None:  # tensor and pipeline parallel do not split MoE blocks here
+        yield from _expert_layouts(args, cluster, batch)
+        return
     for tp in _divisors(cluster.gpus_per_node):
         sizes = (args.n_heads, args.d_model, args.d_ff)
         if any(x % tp for x in sizes) or not kv_heads_placeable(args.n_kv_heads, tp):
@@ -75,6 +80,24 @@ def layouts(cfg: Config, args: ModelArgs, cluster: Cluster, batch: int) -> Itera
                         )
 
 
+def _expert_layouts(args: ModelArgs, cluster: Cluster, batch: int) -> Iterator[Layout]:
+    """MoE shapes: every rank data-parallel, ep any divisor of dp and of n_experts."""
+    dp = cluster.world
+    if batch % dp:
+        return
+    for ep in (e for e in _divisors(dp) if args.moe.n_experts % e == 0):
+        for b in MICRO_BATCHES:
+            m, rest = divmod(batch // dp, b)
+            if rest or m < 1:
+                continue
+            for zero in ZERO_STAGES:
+                for recompute in RECOMPUTES:
+                    yield Layout(
+                        dp=dp, zero_stage=zero, recompute=recompute, micro_batch=b,
+                        microbatches=m, ep=ep,
+                    )  # fmt: skip
+
+
 def plan(cfg: Config, args: ModelArgs) -> list[LayoutEstimate]:
     cluster = Cluster.from_config(cfg)
     batch = global_batch(cfg, cluster.world)
@@ -102,6 +125,7 @@ def plan_row(est: LayoutEstimate) -> dict:
         "dp": lay.dp,
         "tp": lay.tp,
         "pp": lay.pp,
+        "ep": lay.ep,
         "zero_stage": lay.zero_stage,
         "recompute": lay.recompute,
         "microbatches": lay.microbatches,
@@ -111,5 +135,6 @@ def plan_row(est: LayoutEstimate) -> dict:
         "step_time_s": est.step_time_s,
         "bubble": est.bubble,
         "comm_bytes_per_gpu": est.comm_bytes,
+        "a2a_bytes": est.comm_bytes.get("ep", 0),
         "by_stage": est.by_stage,
     }
