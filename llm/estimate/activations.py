@@ -329,6 +329,8 @@ def _op_sac_terms(
 
 
 def _mlp_terms(args: ModelArgs, b: int, s: int, dt: Dtypes, k: Kernels) -> dict:
+    if args.moe is not None:
+        return _moe_terms(args, b, s, dt, k)
     n, f = b * s * args.d_model, b * s * args.d_ff * dt.c
     if args.family == "gpt2":
         return {"mlp.input": _linear_inputs(1, n, dt, k), "mlp.gelu_input": f, "mlp.w2_input": f}
@@ -341,9 +343,51 @@ def _mlp_terms(args: ModelArgs, b: int, s: int, dt: Dtypes, k: Kernels) -> dict:
     }
 
 
+def _moe_terms(args: ModelArgs, b: int, s: int, dt: Dtypes, k: Kernels) -> dict:
+    """A MoE feed-forward (llm/models/moe.py, the loop kernel, dropless) on one rank: only
+    the activated experts' activations, top_k per token, whatever the routing (the runs
+    sum to b*s*top_k rows). Every block of the shape is counted as a MoE block (a shape
+    with first_dense or every > 1 is estimated as if all were)."""
+    moe, h = args.moe, args.d_model
+    n, rows = b * s, b * s * moe.top_k
+    f = rows * args.d_expert * dt.c
+    shared = moe.n_shared_experts * args.d_expert
+    terms = {
+        "moe.input": _linear_inputs(1 + 2 * bool(shared), n * h, dt, k),  # gate (+ shared)
+        "moe.router_probs": n * moe.n_experts * F32 if moe.router == "softmax" else 0,
+        "moe.topk_indices": n * moe.top_k * I64,
+        # norm_topk divides the k weights by their sum, which keeps both.
+        "moe.topk_weights": (n * moe.top_k * F32 + n * F32) if moe.norm_topk else 0,
+        "moe.order": rows * I64,  # the weights' gather index
+        "moe.token": rows * I64,  # the rows' gather and scatter index
+        "moe.weights": rows * F32,  # each row's weight, multiplied in fp32
+        "moe.expert_input": rows * h * (dt.c if dt.autocast else dt.p),
+        "moe.w1_output": f,
+        "moe.silu_output": f,
+        "moe.w3_output": f,
+        "moe.w2_input": f,
+        "moe.expert_output": rows * h * dt.c,  # times its weight
+        "moe.weighted_output": rows * h * dt.p,  # what index_add_ sums per token (it keeps it)
+        "moe.balance_share": moe.n_experts * F32 if moe.aux_loss_coef > 0 else 0,
+    }
+    if moe.router == "sigmoid":  # sigmoid's output, and the sum that normalises it
+        terms["moe.router_scores"] = n * moe.n_experts * F32 + n * F32
+    if moe.z_loss_coef > 0:  # logsumexp keeps the logits and its result
+        terms["moe.router_logits"] = n * moe.n_experts * F32 + n * F32
+    if shared:
+        g = n * shared * dt.c
+        terms |= {"moe.shared_w1_output": g, "moe.shared_silu_output": g,
+                  "moe.shared_w3_output": g, "moe.shared_w2_input": g}  # fmt: skip
+    return {name: v for name, v in terms.items() if v}
+
+
 def _block_weight_numel(args: ModelArgs) -> int:
     h, kv, f = args.d_model, args.n_kv_heads * args.head_dim, args.d_ff
     mlp = (3 if args.family == "llama" else 2) * h * f
+    if args.moe is not None:  # the gate, every expert (cast whole) and the shared ones
+        mlp = args.moe.n_experts * h + 3 * h * args.d_expert * (
+            args.moe.n_experts + args.moe.n_shared_experts
+        )
     return 2 * h * h + 2 * h * kv + mlp
 
 

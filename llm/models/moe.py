@@ -204,12 +204,16 @@ class MoE(nn.Module):
         # f_i over the global micro-batch (no gradient), P_i over this rank's tokens: the
         # mean over ranks of each rank's loss is the global batch's (Switch eq. 4).
         share = total.float() / total.sum().clamp(min=1)
-        self.balance_loss = moe.n_experts * (share * route.probs.mean(0)).sum()
-        self.z_loss = torch.logsumexp(route.logits, dim=-1).square().mean()
-        terms = [c * loss for c, loss in ((moe.aux_loss_coef, self.balance_loss),
-                                          (moe.z_loss_coef, self.z_loss)) if c > 0]  # fmt: skip
+        grad = torch.is_grad_enabled()
+        # A loss weighted 0 is only logged: no graph keeps its inputs for a backward.
+        with torch.set_grad_enabled(grad and moe.aux_loss_coef > 0):
+            balance = moe.n_experts * (share * route.probs.mean(0)).sum()
+        with torch.set_grad_enabled(grad and moe.z_loss_coef > 0):
+            z = torch.logsumexp(route.logits, dim=-1).square().mean()
+        terms = [c * loss for c, loss in ((moe.aux_loss_coef, balance), (moe.z_loss_coef, z))
+                 if c > 0]  # fmt: skip
         self.aux_loss = sum(terms) if terms else None
-        self.balance_loss, self.z_loss = self.balance_loss.detach(), self.z_loss.detach()
+        self.balance_loss, self.z_loss = balance.detach(), z.detach()
         self.load = total
         # The global queue keeps each expert's first `capacity` assignments.
         kept = total if moe.capacity_factor is None else total.clamp(max=self.capacity(total.sum()))
