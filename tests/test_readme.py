@@ -55,10 +55,20 @@ def _cases():
 SMALL_MODELS = ("gpt2-tiny", "gpt2-mini", "llama-tiny", "moe-tiny")
 
 
+def _named_model(args: list[str]) -> str | None:
+    """The model a command names: model=..., or the one its layout=... sets."""
+    named = next((a.split("=", 1)[1] for a in args if a.startswith("model=")), None)
+    layout = next((a.split("=", 1)[1] for a in args if a.startswith("layout=")), None)
+    if named is None and layout is not None:
+        text = (REPO / "conf" / "layout" / f"{layout}.yaml").read_text()
+        named = next(iter(re.findall(r"override /model: (\S+)", text)), None)
+    return named
+
+
 def tiny(tmp_path: Path, corpus: Path, cache: Path, args: list[str]) -> list[str]:
     """Overrides that make any README run a few seconds long; warmup stays the default."""
     where = f"hydra.sweep.dir={tmp_path}" if "-m" in args else f"hydra.run.dir={tmp_path}"
-    named = next((a.split("=", 1)[1] for a in args if a.startswith("model=")), None)
+    named = _named_model(args)
     return [
         where,
         f"model={named if named in SMALL_MODELS else 'gpt2-tiny'}",
@@ -94,7 +104,7 @@ def test_readme_command_runs(tmp_path, text_corpus, cache_dir, args):
         return
     summaries = list((tmp_path / "out").rglob("summary.json"))
     assert summaries, "no summary.json written"
-    named = next((a.split("=", 1)[1] for a in args if a.startswith("model=")), None)
+    named = _named_model(args)
     if named in SMALL_MODELS:  # the README's small model ran, not the stand-in
         assert all(json.loads(s.read_text())["model"] == named for s in summaries)
     if not args:
