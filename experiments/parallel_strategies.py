@@ -5,7 +5,7 @@ ZeRO-2 medium, ZeRO-3 high, FSDP medium, tensor parallel medium, pipeline low), 
 the same 4 ranks (conf/layout/: ddp_dp4 ... tp4, pp4); and scaling efficiency, tokens/s on
 N ranks / (N x one rank's), from a follow-up sweep of DDP on 1 and 2 ranks (12 steps,
 tracking off, the default 25 MB buckets), judged where the ranks do not share cores; 4 ranks on fewer cores are not
-comparable."""
+comparable. The expert-parallel (MoE) row: experiments/parallel_strategies_moe.py."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import statistics
 
 import matplotlib.pyplot as plt
 
+from experiments import parallel_strategies_moe as moe
 from experiments.claims import COMPARISON_COLUMNS, NOT_COMPARABLE, Claim, Table, compare, fmt
 from experiments.sweep import FOLLOW_UP, Job
 from experiments.zero_memory import measured_comm_phi, ranks
@@ -79,13 +80,15 @@ SCALING_STEPS = 12
 
 def is_scaling(job: Job) -> bool:
     """A job of the scaling follow-up sweep (DDP on 1 or 2 ranks), not of the table's."""
-    return job.num.startswith(FOLLOW_UP)
+    return job.num.startswith(FOLLOW_UP) and not moe.is_moe(job)
 
 
 def follow_up(jobs: list[Job]) -> list[list[str]]:
-    """The scaling sweep, once: DDP on 1 and 2 ranks, long enough to time, tracking off."""
+    """Once each: the scaling sweep (DDP on 1 and 2 ranks, long enough to time, tracking
+    off) and the MoE row's sweeps (experiments/parallel_strategies_moe.py)."""
+    more = [] if any(moe.is_moe(j) for j in jobs) else moe.follow_ups()
     if any(is_scaling(j) for j in jobs):
-        return []
+        return more
     return [
         [
             "layout=ddp_dp4",
@@ -96,7 +99,8 @@ def follow_up(jobs: list[Job]) -> list[list[str]]:
             "parallelism.count_comm=false",
             "parallelism.bucket_cap_mb=25",  # the default: one all-reduce, not the table's many
             f"train.eval_every={SCALING_STEPS}",
-        ]
+        ],
+        *more,
     ]
 
 
@@ -134,7 +138,12 @@ def label(job: Job) -> str:
 
 def _ddp(jobs: list[Job], n: int) -> Job | None:
     return next(
-        (j for j in jobs if label(j) == "ddp" and ranks(j) == n and not is_scaling(j)), None
+        (
+            j
+            for j in jobs
+            if label(j) == "ddp" and ranks(j) == n and not is_scaling(j) and not moe.is_moe(j)
+        ),
+        None,
     )
 
 
@@ -183,7 +192,7 @@ def report(jobs: list[Job]) -> list[Table]:
     memory, comm, scaling = [], [], []
     for j in jobs:
         s, n = label(j), ranks(j)
-        if s not in TABLE or is_scaling(j):
+        if s not in TABLE or is_scaling(j) or moe.is_moe(j):
             continue
         (lo, hi), level, eff = TABLE[s]
         ddp = _ddp(jobs, n)
@@ -199,6 +208,9 @@ def report(jobs: list[Job]) -> list[Table]:
             )
         reason = f"{n} ranks share the cores; the DDP row below is measured where they do not"
         scaling.append(("scaling", setting, "-", fmt(eff), "-", f"{NOT_COMPARABLE}: {reason}"))
+    moe_memory, moe_comm = moe.rows(jobs)
+    memory += moe_memory
+    comm += moe_comm
     return [
         Table(
             "Memory saving against DDP",
@@ -230,7 +242,11 @@ def report(jobs: list[Job]) -> list[Table]:
 
 
 def plots(jobs: list[Job]) -> dict:
-    rows = [(j, _ddp(jobs, ranks(j))) for j in jobs if label(j) in TABLE and not is_scaling(j)]
+    rows = [
+        (j, _ddp(jobs, ranks(j)))
+        for j in jobs
+        if label(j) in TABLE and not is_scaling(j) and not moe.is_moe(j)
+    ]
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (j, ddp) in enumerate(rows):
         (lo, hi), _, _ = TABLE[label(j)]

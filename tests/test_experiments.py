@@ -6,6 +6,7 @@ metrics.jsonl written here) give the expected tables and verdicts, failed jobs i
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -112,6 +113,8 @@ def test_verdict_bounds():
     assert verdict(1.11, 1.0, 0.1) == DOES_NOT_HOLD
     assert verdict(0.3, (0.36, 0.39), 0.1) == DOES_NOT_HOLD
     assert verdict(0.37, (0.36, 0.39), 0.0) == HOLDS
+    assert verdict(1.2, (1.0, math.inf), 0.0) == HOLDS  # open above, no tolerance
+    assert verdict(0.9, (1.0, math.inf), 0.0) == DOES_NOT_HOLD
 
 
 def test_a_real_sweep_runs_records_a_failed_job_and_reports(tmp_path, text_corpus):
@@ -419,17 +422,21 @@ def test_parallel_strategies_report_verdicts(tmp_path):
     assert memory[0][-1].startswith("baseline") and memory[1][-1] == HOLDS
     assert memory[1][2] == "0.65625"
     assert memory[2][-1].startswith(NOT_COMPARABLE)
-    assert [r[:3] for r in memory[3:]] == [
+    assert [r[:3] for r in memory[3:5]] == [
         ("tp_saving", "tp, N=4", "0.75"),
         ("pp_saving", "pp, N=4", "0.5"),
     ]
-    assert [r[-1] for r in memory[3:]] == [HOLDS, HOLDS]
+    assert [r[-1] for r in memory[3:5]] == [HOLDS, HOLDS]
+    # The MoE row's sweeps come after: not run yet.
+    assert [r[0] for r in memory[5:]] == ["moe_activated", "moe_states"]
+    assert all("did not run" in r[-1] for r in memory[5:])
     comm = _rows(tables, "Communication against DDP")
     assert comm[0][2] == "1" and comm[0][-1] == DOES_NOT_HOLD  # "medium" yet DDP's volume
-    assert [(r[0], r[2], r[-1]) for r in comm[2:]] == [
+    assert [(r[0], r[2], r[-1]) for r in comm[2:4]] == [
         ("tp_comm", "0.5", HOLDS),
         ("pp_comm", "0.25", HOLDS),
     ]
+    assert comm[4][0] == "moe_comm" and "did not run" in comm[4][-1]
     # The 10% band is applied once: 0.95x DDP is not "medium", 1.05x is still "high".
     expected = experiment_module("parallel_strategies")._comm_expected
     assert verdict(0.95, expected("medium"), 0.0) == DOES_NOT_HOLD
@@ -458,10 +465,50 @@ def test_parallel_strategies_report_verdicts(tmp_path):
             metrics,
         )
     jobs = load_jobs(sweep)
-    assert strategies.follow_up(jobs) == []
+    from experiments import parallel_strategies_moe
+
+    assert strategies.follow_up(jobs) == parallel_strategies_moe.follow_ups()
     tables = strategies.report(jobs)
     assert _rows(tables, "Scaling efficiency")[-1][2:] == ("0.9", "0.85-0.95", "1.0000", HOLDS)
     assert _rows(tables, "Memory saving against DDP")[0][1] == "ddp, N=4"  # not the N=1, 2 jobs
+
+
+def test_parallel_strategies_moe_row_verdicts(tmp_path):
+    """The MoE row from its three follow-up sweeps: the activated-experts saving against the
+    activation formula's, ep 4's state saving against the experts' share x 3/4, and
+    all-to-all bytes that stay level at twice the experts (O(experts) does not hold)."""
+    from experiments import parallel_strategies_moe as moe
+
+    sweep = _sweep(tmp_path, "parallel_strategies")
+
+    def cfg(strategy, ep, top_k=2, experts=8):
+        return {
+            "parallelism": {"name": strategy, "ep_size": ep},
+            "launcher": {"nproc_per_node": 4},
+            "model": {"name": "moe-tiny", "n_layers": 4,
+                      "moe": {"top_k": top_k, "n_experts": experts}},
+            "train": {"micro_batch_size": 1},
+            "data": {"seq_len": 64},
+        }  # fmt: skip
+
+    def summary(block=0, states=0, a2a=0):
+        peak = {"params_max": states, "grads_max": 0, "optimizer_states_max": 0}
+        return {"precision": "fp32", "device": "cpu", "activation_bytes_per_layer": [block],
+                "memory_peak": [peak], "comm_bytes_per_step": [{"all_to_all": a2a}]}  # fmt: skip
+
+    top2 = moe._formula_block(moe.Job("x", sweep / "x", [], cfg("zero2", 2), summary()), 2)
+    top8 = moe._formula_block(moe.Job("x", sweep / "x", [], cfg("zero2", 2), summary()), 8)
+    follow = sweep / "follow_up_1"
+    _job(follow, 0, ["model.moe.top_k=2"], cfg("zero2", 2), summary(top2, a2a=1000))
+    _job(follow, 1, ["model.moe.top_k=8"], cfg("zero2", 2, 8), summary(top8))
+    _job(follow, 2, ["model.moe.n_experts=16"], cfg("zero2", 2, 2, 16), summary(a2a=1010))
+    share = moe._expert_share(moe.Job("x", sweep / "x", [], cfg("ddp", 1), summary()))
+    _job(follow, 3, ["layout=ddp_dp4"], cfg("ddp", 1), summary(states=10_000))
+    ep4 = round(10_000 * (1 - share * 3 / 4))
+    _job(follow, 4, ["layout=ddp_dp4_ep4"], cfg("ddp", 4), summary(states=ep4))
+    memory, comm = moe.rows(load_jobs(sweep))
+    assert [(r[0], r[-1]) for r in memory] == [("moe_activated", HOLDS), ("moe_states", HOLDS)]
+    assert comm[0][0] == "moe_comm" and comm[0][2] == "1.01" and comm[0][-1] == DOES_NOT_HOLD
 
 
 def test_mixed_precision_report_verdicts(tmp_path):
@@ -614,6 +661,99 @@ def test_flash_attention_report_verdicts(tmp_path):
     assert saving["eager / sdpa, T=4096"][-1] == HOLDS
     speed = _rows(tables, "Speed against eager")
     assert all(r[-1].startswith(f"{NOT_COMPARABLE}: CPU") for r in speed)
+
+
+def _moe_job(sweep, num, model, seed, rate, final_val, imbalance=None, failed=False):
+    """A job of the moe sweep: model keys as the sweep merges them, the training loss
+    falling by ``rate`` per step from 6 (logged every 5 steps to 100), every MoE layer's
+    max/mean load fixed at ``imbalance``."""
+    overrides = [f"model={model}", f"train.seed={seed}"]
+    config = {"model": model, "train": {"seed": seed}}
+    if failed:
+        _job(sweep, num, overrides, config, error="error: the run failed")
+        return
+    summary = {
+        "final_val_loss": final_val,
+        "final_train_loss": final_val,
+        "n_params": 845120 if "moe" in model else 622912,
+        "n_active_params": 623936 if "moe" in model else 622912,
+        "steps": 100,
+        "tokens_seen": 100 * 1024,
+        "tokens_per_sec": 2000.0 if "moe" in model else 4000.0,
+        "peak_memory_bytes": 80 * 2**20,
+        "memory_peak": [{"params_max": 2**20, "grads_max": 2**20, "optimizer_states_max": 2**21}],
+        "process_peak_rss_bytes": 500 * 2**20,
+    }
+    metrics = []
+    for s in range(5, 101, 5):
+        row = {"step": s, "loss": 6.0 - rate * s}
+        if imbalance is not None:
+            row["moe/max_over_mean"] = {"layer0": imbalance, "layer1": imbalance}
+            top = int(256 * imbalance)  # expert 0 takes imbalance x the mean of 256
+            rest = (2048 - top) // 7
+            row["moe/load"] = {
+                layer: {f"expert{e}": top if e == 0 else rest for e in range(8)}
+                for layer in ("layer0", "layer1")
+            }
+            row["moe/balance_loss"] = imbalance
+        metrics.append(row)
+    _job(sweep, num, overrides, config, summary, metrics)
+
+
+def test_moe_report_verdicts(tmp_path):
+    """Dense at equal active and at equal total parameters, and three MoE balancing schemes,
+    over two seeds: tokens to the dense final loss seed by seed, the load verdicts, and
+    "not comparable" where the seeds disagree or the scale is not the paper's."""
+    sweep = _sweep(tmp_path, "moe")
+    dense = {"name": "llama-tiny", "d_ff": 192}
+    wide = {"name": "llama-tiny", "d_ff": 768}
+    aux = {"name": "moe-tiny", "moe": {"router": "softmax", "aux_loss_coef": 0.01}}
+    none = {"name": "moe-tiny", "moe": {"router": "softmax", "aux_loss_coef": 0}}
+    bias = {"name": "moe-tiny", "moe": {"router": "sigmoid", "aux_loss_coef": 0}}
+    jobs = [  # model, seed, loss per step, final val loss, max/mean load
+        (dense, 0, 0.010, 5.10, None),
+        (dense, 1, 0.010, 5.12, None),
+        (aux, 0, 0.0125, 5.00, 1.2),
+        (aux, 1, 0.0125, 5.02, 1.3),
+        (none, 0, 0.008, 5.20, 2.0),
+        (none, 1, 0.008, 5.22, 2.2),
+        (bias, 0, 0.0125, 4.98, 1.1),  # better than aux at seed 0, worse at seed 1
+        (bias, 1, 0.0125, 5.05, 1.1),
+        (wide, 0, 0.015, 4.90, None),
+    ]
+    for num, (model, seed, rate, val, load) in enumerate(jobs):
+        _moe_job(sweep, num, model, seed, rate, val, load)
+    _moe_job(sweep, len(jobs), wide, 1, 0, 0, failed=True)
+    module = experiment_module("moe")
+    tables = module.report(load_jobs(sweep))
+    # Dense reaches its smoothed final loss 5.1 at step 100; the MoE's smoothed curve,
+    # 6 - 0.0125 (s - 10), at step 82: 100 / 82 = 1.22x fewer tokens, both seeds.
+    title = "Tokens to the dense model's final training loss, seed by seed"
+    reach = {(r[0], r[1]): r for r in _rows(tables, title)}
+    assert reach[("MoE, balance loss", 0)][3:] == ("102,400", "83,968", "1.22x")
+    assert reach[("MoE, no balancing", 1)][4:] == ("not reached", "-")
+    variants = {r[0]: r for r in _rows(tables, "Dense against MoE")}
+    assert variants["MoE, balance loss"][8] == "1.22x (1.22x)"
+    assert variants["MoE, balance loss"][10] == "0.61x"  # half the dense tokens/s
+    # (5.11 - 5.01) / (5.11 - 4.90): the share of the gap to the dense model of total size
+    assert variants["MoE, balance loss"][6] == "0.48"
+    assert variants["dense, equal total"][2] == 1  # the failed seed left out
+    assert variants["MoE, no balancing"][7] == "not reached in 2 of 2 seeds (< 1.00x)"
+    claims = {r[0]: r for r in _rows(tables, "Claims")}
+    assert claims["switch_speedup"][-1].startswith(f"{NOT_COMPARABLE}: Switch-Base")
+    assert claims["moe_faster"][2] == "1.2195x" and claims["moe_faster"][-1] == HOLDS
+    assert claims["deepseekmoe_gshard"][-1].startswith(NOT_COMPARABLE)
+    assert claims["dense_upper_bound"][-1] == HOLDS  # 5.00 / 4.90, seed 0 alone
+    assert claims["aux_loss_balance"][-1] == HOLDS  # 2.0 / 1.2 and 2.2 / 1.3
+    assert claims["bias_balance"][-1] == HOLDS
+    assert claims["bias_vs_aux_balance"][-1] == HOLDS  # 1.2 / 1.1 and 1.3 / 1.1
+    quality = claims["bias_vs_aux_quality"]
+    assert quality[-1].startswith(f"{NOT_COMPARABLE}: the seeds disagree")
+    load = {r[0]: r for r in _rows(tables, "Expert load")}
+    assert load["MoE, no balancing"][4] == "2.100 ± 0.141"
+    write_report(sweep, log_wandb=False)
+    assert (sweep / "moe_loss.png").stat().st_size > 0
+    assert (sweep / "moe_load.png").stat().st_size > 0
 
 
 def test_an_interrupted_job_stops_the_sweep(tmp_path, monkeypatch):
