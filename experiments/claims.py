@@ -47,7 +47,8 @@ def verdict(ours: float, paper: float | tuple[float, float], tolerance: float) -
     lo, hi = paper if isinstance(paper, tuple) else (paper, paper)
     # Bounds are inclusive, also of rounding: 3e-3 / 3e-4 is 10.000000000000002.
     lo_ok = ours >= lo - abs(lo) * tolerance or math.isclose(ours, lo)
-    hi_ok = ours <= hi + abs(hi) * tolerance or math.isclose(ours, hi)  # hi may be inf
+    # An open range (hi = inf) has no upper bound; inf * 0 would be nan.
+    hi_ok = math.isinf(hi) or ours <= hi + abs(hi) * tolerance or math.isclose(ours, hi)
     return HOLDS if lo_ok and hi_ok else DOES_NOT_HOLD
 
 

@@ -31,6 +31,7 @@ EXPERIMENTS = (
     "mixed_precision",
     "optimizers",
     "flash_attention",
+    "moe",
 )
 
 
