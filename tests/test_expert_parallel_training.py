@@ -176,3 +176,15 @@ def test_the_plan_tries_expert_parallel_sizes_for_moe_shapes():
     assert same[4] < same[2] < same[1]
     dense = compose_config([*base, "model=llama-tiny"])
     assert {r.layout.ep for r in plan(dense, model_args_for(dense, vocab_size=4096))} == {1}
+
+
+def test_a_capacity_drops_the_same_tokens_as_one_process_under_ep(
+    tmp_path, text_corpus, cache_dir, reference
+):
+    """zero2 at ep 2 with a capacity below the load: the global first-come rule keeps the
+    same assignments as one process, so the runs match and some were dropped."""
+    capacity = "model.moe.capacity_factor=0.75"
+    _, out = _ep_run(tmp_path, text_corpus, cache_dir, "cap", 2, 2, capacity, strategy="zero2")
+    ref = reference("moe-tiny", capacity)
+    assert_run_matches(ref, out, STEPS)
+    assert min(m["moe/dropped_share"] for m in read_metrics(out) if "moe/dropped_share" in m) > 0
