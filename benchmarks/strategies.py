@@ -33,6 +33,7 @@ the GPU refuses shows as n/a with the reason.
     python benchmarks/strategies.py --layouts all                   # + every tp / pp / 2-D row
     python benchmarks/strategies.py --device cuda --ranks 1         # one GPU: + precisions
     python benchmarks/strategies.py --ranks 4 --set model.n_layers=8  # any train.py override
+    python benchmarks/strategies.py --moe-peer       # + MoE: ours vs DeepSpeed-MoE (moe_peer.py)
 """
 
 from __future__ import annotations
@@ -581,6 +582,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--markdown", default=None, help="also write the tables as markdown here")
     p.add_argument("--keep-runs", default=None, help="keep run directories here (default: temp)")
     p.add_argument(
+        "--moe-peer",
+        action="store_true",
+        help="add the table 'MoE: ours vs DeepSpeed-MoE' (benchmarks/moe_peer.py): our expert\n"
+        "parallelism (zero2, ep_size = ranks) beside deepspeed.moe.layer.MoE at each --ranks",
+    )
+    p.add_argument("--moe-model", default="moe-tiny", help="the MoE table's model (moe-tiny)")
+    p.add_argument("--moe-seq-len", type=int, default=256, help="the MoE table's seq len (256)")
+    p.add_argument(
+        "--moe-ds-modes",
+        default="dropless,full_capacity",
+        help="DeepSpeed-MoE rows: dropless (drop_tokens=False), full_capacity (capacity_factor=E/k)",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -597,6 +611,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a.rank_counts = _ints(a.ranks)
     a.strategy_names = _strategies(a.strategies)
     a.layout_names = _layouts(a.layouts)
+    a.moe_ds_modes = [m.strip() for m in a.moe_ds_modes.split(",") if m.strip()]
+    if a.moe_peer:
+        from moe_peer import DS_MODES
+
+        if bad := [m for m in a.moe_ds_modes if m not in DS_MODES]:
+            raise SystemExit(f"--moe-ds-modes: {bad} unknown; use some of {', '.join(DS_MODES)}")
+        if (a.device, a.precision) != ("cpu", "fp32"):
+            raise SystemExit("--moe-peer runs on CPU ranks (gloo) in fp32; add --device cpu")
     if a.steps <= a.warmup + 1:
         raise SystemExit(f"--steps={a.steps} must exceed --warmup={a.warmup} by at least 2")
     bad = [n for n in a.rank_counts if a.global_batch % n]
@@ -667,6 +689,11 @@ def main(argv: list[str] | None = None) -> None:
             r = run_and_report(a, jobs[i], root, retake=True)
             if r["ok"] and r["others_cpu"] < rows[i]["others_cpu"]:
                 rows[i] = r
+    moe = []
+    if a.moe_peer:
+        import moe_peer
+
+        moe = moe_peer.run_rows(a, root)
     results = [r for job, r in zip(jobs, rows, strict=True) if job.strategy != "single"]
     precision = [r for job, r in zip(jobs, rows, strict=True) if job.strategy == "single"]
     wall = time.perf_counter() - start
@@ -678,23 +705,35 @@ def main(argv: list[str] | None = None) -> None:
         f"rank {threads}; {machine(results)}; load average {load_before[0]:.2f} at start; "
         f"{wall / 60:.1f} min"
     )
-    print_table(title, COLUMNS, strategy_rows(results))
-    print(LEGEND)
+    if jobs:
+        print_table(title, COLUMNS, strategy_rows(results))
+        print(LEGEND)
+    if moe:
+        print_table(moe_peer.title(a, moe), moe_peer.COLUMNS, moe_peer.table_rows(moe))
+        print(moe_peer.LEGEND)
     ptitle = f"One rank, {a.model}, batch {a.global_batch} x seq {a.seq_len}, {a.device}"
     if precision:
         print_table(ptitle, PRECISION_COLUMNS, precision_rows(precision))
-    else:
+    elif jobs:
         print("GPU precision comparison (fp32/tf32/bf16/fp16/fp8) skipped: --device cpu.")
     if a.out:
         payload = {"args": {k: v for k, v in vars(a).items()}, "title": title, "wall_s": wall}
         payload.update(load_before=load_before, load_after=os.getloadavg())
         payload.update(strategies=results, precisions=precision)
+        if a.moe_peer:
+            payload["moe"] = moe
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(payload, indent=2, default=str))
     if a.markdown:
-        text = markdown(title, COLUMNS, strategy_rows(results)) + "\n" + LEGEND + "\n"
+        text = (
+            markdown(title, COLUMNS, strategy_rows(results)) + "\n" + LEGEND + "\n" if jobs else ""
+        )
         if precision:
             text += "\n" + markdown(ptitle, PRECISION_COLUMNS, precision_rows(precision))
+        if moe:
+            rows = moe_peer.table_rows(moe)
+            text += "\n" + markdown(moe_peer.title(a, moe), moe_peer.COLUMNS, rows)
+            text += "\n" + moe_peer.LEGEND + "\n"
         Path(a.markdown).write_text(text)
     if not a.keep_runs:
         shutil.rmtree(root, ignore_errors=True)

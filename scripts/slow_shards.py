@@ -44,6 +44,7 @@ SHARDS = {
         "tests/test_expert_parallel_training.py",
         "tests/test_benchmarks_pipeline.py",
         "tests/test_benchmarks_strategies.py",
+        "tests/test_benchmarks_moe_peer.py",
     ],
     # Training runs: the README's commands, optimizers under strategies, recompute, precision,
     # compile, the estimator and the experiments (about 25 min).
