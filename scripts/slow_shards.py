@@ -42,6 +42,8 @@ SHARDS = {
         "tests/test_fsdp.py",
         "tests/test_torchrun_nodes.py",
         "tests/test_expert_parallel_training.py",
+        "tests/test_expert_parallel.py",
+        "tests/test_moe_training.py",
         "tests/test_benchmarks_pipeline.py",
         "tests/test_benchmarks_strategies.py",
         "tests/test_benchmarks_moe_peer.py",

@@ -132,7 +132,15 @@ def _check_against_reference(world, ep, capacity, router):
     return args, ref, ranks
 
 
-@pytest.mark.parametrize(("world", "ep"), [(2, 1), (2, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize(
+    ("world", "ep"),
+    [
+        pytest.param(2, 1, marks=pytest.mark.slow),
+        (2, 2),
+        pytest.param(4, 2, marks=pytest.mark.slow),
+        (4, 4),
+    ],
+)
 def test_expert_parallel_layer_equals_one_process(world, ep):
     """Dropless routing: every layout's outputs and gradients are one process's, and the
     all-to-all bytes are 4 x (assignments that leave their rank) x d_model x 4 bytes, summed
@@ -154,5 +162,6 @@ def test_capacity_drops_the_same_tokens_as_one_process():
     assert ref["kept"] < ref["load"].sum()  # the capacity did drop assignments
 
 
+@pytest.mark.slow
 def test_sigmoid_router_with_bias_under_expert_parallelism():
     _check_against_reference(2, 2, None, "sigmoid")

@@ -31,10 +31,8 @@ def _ep_run(tmp_path, text_corpus, cache_dir, name, ranks, ep, *extra, strategy=
 @pytest.mark.parametrize(
     "strategy",
     [
-        "ddp",
         "zero2",
-        "fsdp",
-        *(pytest.param(s, marks=pytest.mark.slow) for s in ("zero1", "zero3")),
+        *(pytest.param(s, marks=pytest.mark.slow) for s in ("ddp", "fsdp", "zero1", "zero3")),
     ],
 )
 def test_ep2_on_two_ranks_equals_one_process(tmp_path, text_corpus, cache_dir, reference, strategy):
@@ -118,7 +116,9 @@ def test_every_ep_layout_equals_one_process(tmp_path, text_corpus, cache_dir, re
     assert_run_matches(reference("moe-tiny"), out, STEPS)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+@pytest.mark.parametrize(
+    "strategy", ["zero2", *(pytest.param(s, marks=pytest.mark.slow) for s in ("ddp", "fsdp"))]
+)
 def test_estimate_equals_the_measured_states_on_every_ep_rank(
     tmp_path, text_corpus, cache_dir, strategy
 ):

@@ -33,7 +33,13 @@ def _ranks(tmp_path, text_corpus, cache_dir, strategy, *extra):
     )
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param(s, marks=pytest.mark.slow) if s != "zero2" else s
+        for s in ("ddp", "zero2", "fsdp")
+    ],
+)
 def test_two_data_parallel_ranks_equal_one_process(
     tmp_path, text_corpus, cache_dir, reference, strategy
 ):
@@ -50,6 +56,7 @@ def test_two_data_parallel_ranks_equal_one_process(
     ],
     ids=["capacity", "sigmoid"],
 )
+@pytest.mark.slow
 def test_routing_variants_equal_one_process_under_zero2(
     tmp_path, text_corpus, cache_dir, reference, extra
 ):
@@ -132,7 +139,7 @@ def test_bad_expert_settings_are_refused_in_one_line_before_any_rank(tmp_path, e
     assert message in one_line(err)
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("policy", ["full", pytest.param("selective", marks=pytest.mark.slow)])
 def test_recompute_reruns_the_moe_forward_without_changing_the_run(
     tmp_path, text_corpus, cache_dir, reference, policy
 ):
