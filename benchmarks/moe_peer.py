@@ -55,10 +55,8 @@ import copy
 import json
 import math
 import os
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -464,24 +462,9 @@ def _deepspeed_pass(
         "out": str(run_dir / "result.json"),
     }
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
-    row = {"ok": False, "error": None, "run_dir": str(run_dir), "threads": threads}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled"}
+    row = {"ok": False, "error": None, "run_dir": str(run_dir)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(run_dir / "spec.json")]
-    busy, ours = bench._busy_cpu_s(), bench._children_cpu_s()
-    start = time.perf_counter()
-    with open(run_dir / "bench.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    row["wall_s"] = time.perf_counter() - start
-    others = (bench._busy_cpu_s() - busy) - (bench._children_cpu_s() - ours)
-    row["others_cpu"] = max(0.0, others) / row["wall_s"]
+    rc = bench.run_timed(cmd, run_dir, threads, a.timeout, row)
     if rc is None:
         row["error"] = f"timed out after {a.timeout} s"
         return row

@@ -286,6 +286,33 @@ def run_job(a: argparse.Namespace, job: Job, root: Path) -> dict:
 TIMED = ("step_times_s", "median_ms", "min_ms", "tokens_per_s", "wall_s", "others_cpu")
 
 
+def run_timed(cmd: list[str], run_dir: Path, threads: int, timeout: float, row: dict):
+    """Run ``cmd`` (its output in run_dir/bench.log) with ``threads`` per rank; records
+    ``wall_s``, ``others_cpu`` and ``threads`` in ``row``. Returns its exit code, None when
+    it was killed after ``timeout`` seconds."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled"}
+    busy, ours = _busy_cpu_s(), _children_cpu_s()
+    start = time.perf_counter()
+    with open(run_dir / "bench.log", "w") as log:
+        # Own session: a hung row is killed with every rank it spawned, nothing else.
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    row["wall_s"] = time.perf_counter() - start
+    # CPU the rest of the machine used meanwhile (cores, on average): a row that shared
+    # the cores with another job shows it here, and its timings should be re-taken.
+    others = (_busy_cpu_s() - busy) - (_children_cpu_s() - ours)
+    row["others_cpu"] = max(0.0, others) / row["wall_s"]
+    row["threads"] = threads
+    return rc
+
+
 def _run_pass(a: argparse.Namespace, job: Job, root: Path, measure: bool) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     kind = "measure" if measure else "time"
@@ -298,28 +325,9 @@ def _run_pass(a: argparse.Namespace, job: Job, root: Path, measure: bool) -> dic
         row["error"] = f"needs {job.ranks} GPUs, this machine has {torch.cuda.device_count()}"
         return row
     threads = threads_per_rank(a, job.ranks)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled"}
     cmd = [sys.executable, str(REPO / "train.py"), *overrides(a, job, run_dir, measure)]
     row["load_at_start"] = os.getloadavg()[0]
-    busy, ours = _busy_cpu_s(), _children_cpu_s()
-    start = time.perf_counter()
-    with open(run_dir / "bench.log", "w") as log:
-        # Own session: a hung row is killed with every rank it spawned, nothing else.
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    row["wall_s"] = time.perf_counter() - start
-    # CPU the rest of the machine used meanwhile (cores, on average): a row that shared
-    # the cores with another job shows it here, and its timings should be re-taken.
-    others = (_busy_cpu_s() - busy) - (_children_cpu_s() - ours)
-    row["others_cpu"] = max(0.0, others) / row["wall_s"]
-    row["threads"] = threads
+    rc = run_timed(cmd, run_dir, threads, a.timeout, row)
     if rc is None:
         row["error"] = f"timed out after {a.timeout} s"
         return row
