@@ -167,10 +167,11 @@ class MoE(nn.Module):
         route = self.router(h)
         flat = route.experts.reshape(-1)  # (N k,): token-major, slot-minor
         n_experts = self.moe.n_experts
-        total, before = self.exchange.count(torch.bincount(flat, minlength=n_experts))
+        mine = torch.bincount(flat, minlength=n_experts)  # this rank's assignments
+        total, before = self.exchange.count(mine)
         order = torch.argsort(flat, stable=True)  # by expert, then token, then slot
         if self.moe.capacity_factor is not None:
-            order = self._within_capacity(flat, order, total, before)
+            order = self._within_capacity(flat, order, mine, total, before)
         counts = torch.bincount(flat[order], minlength=n_experts)
         token = order // self.moe.top_k
         y = self.exchange.run(self.experts, h[token], counts)  # (M, d)
@@ -189,11 +190,12 @@ class MoE(nn.Module):
         global micro-batch's ``assignments`` (tokens * top_k)."""
         return torch.ceil(assignments * self.moe.capacity_factor / self.moe.n_experts)
 
-    def _within_capacity(self, flat: Tensor, order: Tensor, total: Tensor, before: Tensor):
+    def _within_capacity(
+        self, flat: Tensor, order: Tensor, mine: Tensor, total: Tensor, before: Tensor
+    ) -> Tensor:
         """``order`` without the assignments past their expert's capacity: the global
         micro-batch's first come (earlier ranks, then earlier tokens) are kept."""
         sorted_experts = flat[order]
-        mine = torch.bincount(flat, minlength=self.moe.n_experts)
         starts = torch.cumsum(mine, 0) - mine  # where each expert's run begins in ``order``
         rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts[sorted_experts]
         slot = before[sorted_experts] + rank_in_expert  # place in the global queue
