@@ -126,6 +126,10 @@ class LocalExchange:
     def run(self, experts: Experts, x: Tensor, counts: Tensor) -> Tensor:
         return experts(x, counts)
 
+    def take_sent(self) -> dict[str, int]:
+        """Bytes sent to other ranks since the last call: none, in one process."""
+        return {}
+
 
 class SharedExperts(nn.Module):
     """n_shared_experts always-on experts as one SwiGLU of their summed width."""

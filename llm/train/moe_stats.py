@@ -72,8 +72,7 @@ class MoEStats:
         """Bytes the layers' exchanges sent since the last call (counts, all-to-all)."""
         sent: dict[str, int] = {}
         for layer in self.layers:
-            take = getattr(layer.exchange, "take_sent", None)
-            for kind, n in (take() if take else {}).items():
+            for kind, n in layer.exchange.take_sent().items():
                 sent[kind] = sent.get(kind, 0) + n
         return sent
 
