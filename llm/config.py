@@ -604,6 +604,15 @@ class EstimateConfig:
     """``python -m llm.estimate`` (docs/recompute.md, "The memory estimator"; docs/parallel.md,
     "Beyond this machine")."""
 
+    # train: a training run's bytes per rank; inference: what one tensor-parallel rank of
+    # python -m llm.generate holds (weights + KV cache + the largest forward's transients,
+    # all in generate.dtype, which the cache shares with the weights as llm.generate builds
+    # it) and the largest batch and longest context that fit (docs/inference.md).
+    mode: str = "train"
+    # inference only (refused in train mode): sequences decoding at once (None: 1), and
+    # tokens per sequence, prompt and new ones (None: the model's max_seq_len).
+    batch: int | None = None
+    context: int | None = None
     json: str | None = None  # also write the figures to this JSON file
     plan: bool = False  # rank the dp x tp x pp x ZeRO x recompute x micro-batch layouts that fit
     device: str = "cuda"  # what the estimate is for: cuda | cpu (kernels and dropout masks)
@@ -626,7 +635,15 @@ class EstimateConfig:
     plan_rows: int = 20  # layouts the plan's table prints (estimate.json gets all)
 
     def __post_init__(self) -> None:
+        _require_choice("estimate", "mode", self.mode, ("train", "inference"))
         _require_choice("estimate", "device", self.device, ("cuda", "cpu"))
+        _require_positive("estimate", batch=self.batch, context=self.context)
+        if self.mode == "train" and (self.batch, self.context) != (None, None):
+            raise ConfigError(
+                "estimate.batch and estimate.context size an inference estimate; add "
+                "estimate.mode=inference, or drop them (training uses train.micro_batch_size "
+                "and data.seq_len)"
+            )
         _require_positive(
             "estimate",
             nodes=self.nodes,
@@ -641,6 +658,55 @@ class EstimateConfig:
         )
         if self.rank < 0:
             raise ConfigError(f"estimate.rank={self.rank} must be >= 0")
+
+
+@dataclass
+class GenerateConfig:
+    """``python -m llm.generate`` (docs/inference.md): sample from a trained or imported model.
+
+    The model comes from ``run_dir`` (its newest checkpoint that verifies) or ``checkpoint``
+    (a checkpoint folder of ours, or a Hugging Face model folder); prompts from ``prompt`` or
+    ``prompts_file`` (one per line, batched together)."""
+
+    run_dir: str | None = None
+    checkpoint: str | None = None
+    # None: the run's own (saved beside its checkpoints), or the HF folder's; else byte, a
+    # tokenizer.json or a tokenizer folder, checked against the one the checkpoint trained on.
+    tokenizer: str | None = None
+    prompt: str | None = None
+    prompts_file: str | None = None
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: every token
+    top_p: float = 1.0  # 1: every token
+    seed: int = 0
+    stop_at_eos: bool = True
+    paged: bool = True  # the KV cache in blocks (PagedAttention) or one slab per sequence
+    block_size: int = 16  # tokens per KV block
+    # The KV cache's budget in tokens over all sequences; None: every prompt's longest
+    # possible sequence (prompt + max_new_tokens, at most the model's max_seq_len).
+    cache_tokens: int | None = None
+    # The paged cache's attention read: gather (blocks gathered, then SDPA: any device),
+    # triton (our kernel reading the block table), flex (FlexAttention over the blocks);
+    # auto: triton on CUDA, gather elsewhere.
+    kernel: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            "generate", max_new_tokens=self.max_new_tokens, block_size=self.block_size
+        )
+        _require_positive("generate", cache_tokens=self.cache_tokens)
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(
+                f"generate.temperature={self.temperature}, top_k={self.top_k}, top_p="
+                f"{self.top_p}: need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and "
+                "0 < top_p <= 1"
+            )
+        _require_choice("generate", "kernel", self.kernel, ("auto", "gather", "triton", "flex"))
+        _require_choice("generate", "device", self.device, ("auto", "cpu", "cuda"))
+        _require_choice("generate", "dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
 
 
 @dataclass
@@ -659,6 +725,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     output_dir: str = "outputs/run"  # conf/config.yaml points it at Hydra's run directory
     sweep_name: str | None = None  # set by train.py under -m: the W&B group
 

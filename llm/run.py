@@ -18,7 +18,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from llm.config import Config
-from llm.data import build_train_loader, build_val_loader, prepare_data
+from llm.data import build_train_loader, build_val_loader, prepare_data, save_tokenizer
 from llm.dist import RankEnv, gather_object, init_distributed
 from llm.errors import ConfigError
 from llm.logging import NullLogger, RunLogger
@@ -53,7 +53,14 @@ from llm.validate import model_args_for, resolve_device
 
 REPO = Path(__file__).resolve().parent.parent
 # Keys that name where or how a run is logged, not what it computes.
-_DIGEST_EXCLUDES = ("output_dir", "sweep_name", "logger", "checkpoint", "launcher")
+_DIGEST_EXCLUDES = (
+    "output_dir",
+    "sweep_name",
+    "logger",
+    "checkpoint",
+    "launcher",
+    "generate",
+)
 
 
 def config_digest(cfg: Config) -> str:
@@ -190,6 +197,8 @@ def _train(
     output_dir = Path(cfg.output_dir)
 
     prepared = _prepare_data_rank0_first(cfg, env)
+    if env.rank == 0:
+        save_tokenizer(prepared.tokenizer, output_dir)  # llm.generate decodes with it
     tracker.begin("startup")  # model build, wrap and optimizer: one phase of the peak tracker
     model, weights = build_model_for(cfg, prepared.tokenizer.vocab_size)
     args = model.args
@@ -258,6 +267,10 @@ def _train(
             model_digest,
             env.world_size,
             file_bytes=int(cfg.checkpoint.file_mb * 2**20),
+            describes={
+                "model_args": dataclasses.asdict(args),
+                "tokenizer_digest": prepared.tokenizer.digest,
+            },
         )
         if cfg.checkpoint.enabled
         else None

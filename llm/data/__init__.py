@@ -7,11 +7,19 @@ build_train_loader(...) (endless, resumable) and build_val_loader(...) (re-itera
 from llm.data.dataset import IGNORE, Batch, TokenDataset
 from llm.data.loader import TrainLoader, ValLoader
 from llm.data.prepare import PreparedData, build_train_loader, build_val_loader, prepare_data
-from llm.data.tokenizer import Tokenizer
+from llm.data.tokenizer import (
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+)
 
 __all__ = [
     "IGNORE",
+    "TOKENIZER_FILE",
     "Batch",
+    "ByteTokenizer",
     "PreparedData",
     "TokenDataset",
     "Tokenizer",
@@ -19,5 +27,7 @@ __all__ = [
     "ValLoader",
     "build_train_loader",
     "build_val_loader",
+    "load_tokenizer",
     "prepare_data",
+    "save_tokenizer",
 ]

@@ -195,3 +195,22 @@ def load_hf_tokenizer(spec: str) -> HFTokenizer:
             "use its folder with a tokenizer_config.json that sets eos_token"
         )
     return HFTokenizer(backend, eos_id)
+
+
+TOKENIZER_FILE = "tokenizer.json"  # beside a run's checkpoints: what llm.generate decodes with
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
+    """Write ``tokenizer`` to ``folder/tokenizer.json`` (atomically) so the run's checkpoints
+    decode without its corpus or cache; the byte tokenizer has nothing to save."""
+    if not isinstance(tokenizer, HFTokenizer):
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{TOKENIZER_FILE}.{os.getpid()}.tmp"
+    tokenizer.backend.save(str(tmp))
+    os.replace(tmp, folder / TOKENIZER_FILE)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """``byte``, a tokenizer.json or a tokenizer folder (as data.tokenizer names them)."""
+    return ByteTokenizer() if spec == "byte" else load_hf_tokenizer(spec)

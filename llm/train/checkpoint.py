@@ -5,8 +5,9 @@ Layout of ``<run>/checkpoints/step_000100/``:
                       resharded on load, so N ranks can save and M ranks resume
   trainer.pt          step, scheduler, data-loader position (global, not per rank)
   rng_rank{r}.pt      each rank's RNG states (restored when the world size matches)
-  meta.json           written last: step, world size, model digest, and every file's size
-                      and xxh3-64 checksum (each rank hashes the files it wrote)
+  meta.json           written last: step, world size, model digest, the model's shape
+                      (``model_args``) and tokenizer digest, and every file's size and
+                      xxh3-64 checksum (each rank hashes the files it wrote)
 
 A checkpoint is written into ``.step_000100.tmp`` and renamed into place only when complete,
 so a failed write never touches the previous checkpoint; old ones are pruned only after the
@@ -90,8 +91,12 @@ class Checkpointer:
         model_digest: str,
         world_size: int,
         file_bytes: int = 25 * 2**20,
+        describes: dict | None = None,
     ):
         self.directory = Path(directory)
+        # Written into every meta.json: what a reader needs without the run's config (the
+        # model's shape and the tokenizer's digest: llm.inference.load).
+        self.describes = describes or {}
         self.file_bytes = file_bytes
         self.keep_last = keep_last
         self.model_digest = model_digest
@@ -164,6 +169,7 @@ class Checkpointer:
                     "step": step,
                     "world_size": self.world_size,
                     "model_digest": self.model_digest,
+                    **self.describes,
                     "files": dict(sorted(files.items())),
                 }
                 write_meta(tmp, meta)
