@@ -21,10 +21,10 @@ from llm.inference.generate import Generation, generate
 from llm.inference.load import Loaded, load_for_inference
 from llm.inference.paged_attention import resolve_kernel
 from llm.inference.sampling import SamplingParams
+from llm.precision import REDUCE_DTYPES
 
 register_configs()
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +37,7 @@ def resolve(g: GenerateConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device("cuda" if cuda else "cpu")
     if g.dtype == "auto":
         return device, torch.bfloat16 if cuda else torch.float32
-    return device, DTYPES[g.dtype]
+    return device, REDUCE_DTYPES[g.dtype]  # the same names for the same dtypes
 
 
 def read_prompts(g: GenerateConfig) -> list[str]:

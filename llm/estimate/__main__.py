@@ -1,7 +1,9 @@
 """``python -m llm.estimate [overrides]``: the memory a run would need, per rank, without
 building it (the model on the meta device), with the same Hydra overrides as train.py plus
 ``estimate.*`` (llm.config.EstimateConfig); ``estimate.plan=true`` ranks the parallel
-layouts that fit the cluster (llm.estimate.plan)."""
+layouts that fit the cluster (llm.estimate.plan); ``estimate.mode=inference`` sizes one
+tensor-parallel rank's weights and KV cache for ``estimate.batch`` sequences of
+``estimate.context`` tokens instead (llm.estimate.inference)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from llm.config import register_configs, to_dataclass
 from llm.errors import LabError
 from llm.estimate.deepspeed_own import deepspeed_own, largest_layer
 from llm.estimate.estimator import estimate, meta_model, world_size
+from llm.estimate.inference import estimate_inference
 from llm.estimate.plan import global_batch, plan, plan_row
-from llm.estimate.report import count, human, print_estimate
+from llm.estimate.report import count, human, inference_table, print_estimate
 from llm.models import MODEL_SHAPES, num_params
 from llm.parallel.tensor_parallel import padded_vocab
 from llm.validate import check_vocab, model_args_for, tokenizer_vocab_size
@@ -64,6 +67,13 @@ def _title(cfg, model: dict) -> str:
         f"{cfg.model.name}: {_sized(model)}; {cfg.parallelism.name} x{world_size(cfg)} "
         f"{cfg.precision.name} recompute={cfg.recompute.name} micro_batch={cfg.train.micro_batch_size} "
         f"seq_len={cfg.data.seq_len} attention={cfg.attention.backend} ({cfg.estimate.device})"
+    )
+
+
+def _inference_title(cfg, model: dict, est) -> str:
+    return (
+        f"{cfg.model.name}: {_sized(model)}; inference tp={est.tp} batch={est.batch} "
+        f"context={est.context} {est.dtype} ({cfg.estimate.device})"
     )
 
 
@@ -141,17 +151,30 @@ def _plan_table(cfg, rows, model: dict) -> Table:
     return table
 
 
+def _inference(cfg, args, model: dict, note: str | None) -> None:
+    """estimate.mode=inference: one tp rank's weights and KV cache (llm.estimate.inference)."""
+    est = estimate_inference(cfg, args)
+    Console().print(inference_table(est, _inference_title(cfg, model, est)))
+    if note:
+        print(note)
+    if cfg.estimate.json:
+        Path(cfg.estimate.json).write_text(json.dumps({"model": model, **est.to_json()}, indent=2))
+
+
 @hydra.main(version_base="1.3", config_path=CONF, config_name="config")
 def main(dict_cfg: DictConfig) -> None:
     try:
         cfg = to_dataclass(dict_cfg)
         args = model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg))
         check_vocab(cfg, args)
-        est = estimate(cfg, args)
         model = model_summary(cfg, args)
+        note = _vocab_note(cfg, args)
+        if cfg.estimate.mode == "inference":
+            _inference(cfg, args, model, note)
+            return
+        est = estimate(cfg, args)
         print_estimate(est, _title(cfg, model))
         out = {"model": model, **est.to_json()}
-        note = _vocab_note(cfg, args)
         lines, own = _deepspeed_lines(cfg, args, est)
         if own is not None:
             out["deepspeed_own"] = own

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llm.estimate.estimator import Estimate
+from llm.estimate.inference import InferenceEstimate
 
 # Column names of the per-stage table, short enough for an 80-column terminal.
 SHORT = {
@@ -75,6 +76,28 @@ def _mib(n: int) -> str:
 def largest_stage(est: Estimate) -> str:
     stage = next(s for s in est.stages if s.rank == est.rank)
     return f"largest: pipeline stage {stage.pp_rank} (rank {stage.rank}) sets the peak"
+
+
+def inference_table(est: InferenceEstimate, title: str) -> Table:
+    """One tp rank's weights, KV cache and working memory, the total against the device,
+    and the largest batch and longest context that fit."""
+    table = Table(title=title)
+    for name in (f"tp rank {est.tp_rank} of {est.tp}", "bytes", "size"):
+        table.add_column(name, justify="left" if name.startswith("tp") else "right")
+    for row, value in est.device.items():
+        table.add_row(row, f"{value:,}", human(value))
+    verdict = "fits" if est.fits else "does NOT fit"
+    table.add_row("total", f"{est.total:,}", human(est.total), style="bold")
+    table.add_row(f"device memory ({verdict})", f"{est.device_memory:,}", human(est.device_memory))
+    per_seq = est.kv_bytes_per_token * est.context
+    table.add_row("KV cache / token", f"{est.kv_bytes_per_token:,}", human(est.kv_bytes_per_token))
+    table.add_row(f"KV cache / sequence of {est.context:,}", f"{per_seq:,}", human(per_seq))
+    table.add_row(f"largest batch at context {est.context:,}", f"{est.max_batch:,}", "")
+    longest = f"{est.max_context:,}" + (
+        " (max_seq_len)" if est.max_context == est.max_seq_len else ""
+    )
+    table.add_row(f"longest context at batch {est.batch:,}", longest, "")
+    return table
 
 
 def print_estimate(est: Estimate, title: str, console: Console | None = None) -> None:

@@ -25,12 +25,14 @@ from torch import Tensor
 from llm.errors import ConfigError
 from llm.inference.paged_attention import paged_decode_attention
 from llm.models import ModelArgs
+from llm.parallel.tensor_parallel import local_kv_heads
 
 
 def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1) -> int:
     """2 x n_layers x n_kv_heads x head_dim x element size: one token's keys and values over
-    every layer (per tensor-parallel rank: its share of the kv heads, at least one)."""
-    kv_heads = max(1, args.n_kv_heads // tp_size)
+    every layer (per tensor-parallel rank: its share of the kv heads, or the one it keeps
+    where tensor parallel replicates them)."""
+    kv_heads = local_kv_heads(args.n_kv_heads, tp_size)
     return 2 * args.n_layers * kv_heads * args.head_dim * torch.finfo(dtype).bits // 8
 
 
