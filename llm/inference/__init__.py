@@ -4,7 +4,8 @@ Which file answers what:
   load.py             a run directory, a checkpoint or an HF folder -> model + tokenizer
   kv_cache.py         the KV cache, contiguous (a row per sequence) or paged (blocks and
                       block tables, PagedAttention), and its bytes per token
-  paged_attention.py  decode attention reading K/V through a block table
+  paged_attention.py  decode attention reading K/V through a block table: gather + SDPA
+                      (any device), triton_paged.py (our kernel), flex_paged.py (FlexAttention)
   forward.py          the model's forward with a cache: prefill, then one token per step
   sampling.py         greedy, temperature, top-k, top-p, a generator per sequence
   engine.py           continuous batching: requests join and leave while others decode

@@ -19,11 +19,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from llm.errors import ConfigError
-from llm.inference.paged_attention import paged_decode_attention
+from llm.inference.paged_attention import paged_decode_attention, sdpa
 from llm.models import ModelArgs
 from llm.parallel.tensor_parallel import local_kv_heads
 
@@ -38,7 +37,7 @@ def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1) ->
 
 def _prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """A new sequence's own causal attention: q (B, H, T, D), k, v (B, Hkv, T, D)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return sdpa(q, k, v, causal=True)
 
 
 class ContiguousKVCache:
@@ -110,9 +109,7 @@ class ContiguousKVCache:
         k = self.kv[layer, 0, rows, :, :longest]  # (B, Hkv, T, D)
         v = self.kv[layer, 1, rows, :, :longest]
         mask = torch.arange(longest, device=q.device) < lens[:, None]  # (B, T)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None, None, :], enable_gqa=True
-        )
+        return sdpa(q, k, v, mask[:, None, None, :])
 
     prefill_attention = staticmethod(_prefill_attention)
 
