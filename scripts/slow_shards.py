@@ -47,6 +47,7 @@ SHARDS = {
         "tests/test_benchmarks_pipeline.py",
         "tests/test_benchmarks_strategies.py",
         "tests/test_benchmarks_moe_peer.py",
+        "tests/test_generate_layouts.py",
     ],
     # Training runs: the README's commands, optimizers under strategies, recompute, precision,
     # compile, the estimator and the experiments (about 25 min).
@@ -62,6 +63,7 @@ SHARDS = {
         "tests/test_attention_backends.py",
         "tests/test_recompute.py",
         "tests/test_activation_formula.py",
+        "tests/test_paged_attention.py",
     ],
 }
 
