@@ -6,8 +6,9 @@ bytes, against the cache's own nbytes / capacity) and tokens/s.
 
 decode_tok_s is the engine's: ``generate``'s decode tokens over its decode seconds (greedy,
 every sequence to the same length), Python included. attn_us is one layer's decode attention
-alone, ``cache.attend`` on a cache holding the same sequences (building the block table and
-lengths included), after each kernel has compiled for the shape in a warm-up generation.
+alone, ``cache.attend`` on a cache holding the same sequences (the block table and lengths
+are built once per step, for every layer, and are not timed), after each kernel has compiled
+for the shape in a warm-up generation.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _decode(model, s: dict, batch: int, paged: bool, kernel: str) -> dict:
     cache = build_cache(model, [length] * batch, paged, s["block"], batch * slots, common["kernel"])
     for seq in range(batch):
         cache.add(seq, length)
-        cache.lens[seq] = length - 1  # attend reads lens + 1 tokens: the whole sequence
+        cache.lens[seq] = length - 1  # the step's one new token makes the whole sequence
     cache.kv.normal_()
     a, kv = model.args, cache.kv
     # (B, 1, H, D) transposed, as the model's projection makes it: the compiled flex call
@@ -60,8 +61,8 @@ def _decode(model, s: dict, batch: int, paged: bool, kernel: str) -> dict:
     q = torch.randn(batch, 1, a.n_heads, a.head_dim, device=kv.device, dtype=kv.dtype).transpose(
         1, 2
     )
-    seqs = list(range(batch))
-    us = _us_per_call(lambda: cache.attend(0, seqs, q), s["min_run_time"])
+    cache.begin_step(list(range(batch)), 1, kv.device)  # once per step, not timed
+    us = _us_per_call(lambda: cache.attend(0, q), s["min_run_time"])
     return {
         "decode_tok_s": gen.stats.tokens_per_s()["decode"],
         "attn_us": us,

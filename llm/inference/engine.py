@@ -6,7 +6,11 @@ A step: admit waiting requests in arrival order while the cache takes them (each
 prefilled alone, its first token sampled), then one decode step for every running request.
 On a paged cache a request that needs a new block when none is free preempts the latest
 admitted request (vLLM's recompute preemption): its blocks are freed and it goes back to the
-head of the queue, to be prefilled again with the tokens it has so far.
+head of the queue, to be prefilled again with the tokens it has so far. Two rules keep that
+rare, as vLLM's scheduler does: a request is admitted only while the cache keeps a reserve
+(``cache.can_add``: a paged pool keeps 1% of its blocks, at least one, free for the running
+sequences to grow into), and no request is admitted in the step after one was preempted, so
+the preempted request is not pushed out again by the next admission.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from llm.inference.forward import decode, prefill
 from llm.inference.sampling import Sampler
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: `in` compares identities
 class Request:
     id: int
     prompt: list[int]
@@ -73,6 +77,7 @@ class Engine:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.stats = EngineStats()
+        self._preempted = False  # in the last decode step
 
     def submit(self, request: Request) -> None:
         self.waiting.append(request)
@@ -84,7 +89,8 @@ class Engine:
         return self.finished
 
     def step(self) -> None:
-        self._admit()
+        if not self._preempted or not self.running:
+            self._admit()
         if self.running:
             self._decode()
         self.stats.steps += 1
@@ -129,6 +135,7 @@ class Engine:
     def _make_room(self) -> None:
         """Room in the cache for one more token of every running request, preempting the
         latest admitted ones while some request cannot get it."""
+        self._preempted = False
         for request in list(self.running):
             if request not in self.running:
                 continue  # preempted below, in an earlier turn of this loop
@@ -137,6 +144,7 @@ class Engine:
                 self.cache.free(victim.id)
                 self.waiting.appendleft(victim)
                 self.stats.preemptions += 1
+                self._preempted = True
                 if victim is request:
                     break
 

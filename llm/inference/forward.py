@@ -17,7 +17,7 @@ from llm.models.layers import Attention, apply_rope, rope_inv_freq
 
 
 def _attention(
-    attn: Attention, x: Tensor, positions: Tensor, cache, layer: int, seqs: list[int], new: bool
+    attn: Attention, x: Tensor, positions: Tensor, cache, layer: int, new: bool
 ) -> Tensor:
     """x (B, T, d) at ``positions`` (B, T) -> attention output (B, T, d)."""
     b, t, _ = x.shape
@@ -27,9 +27,9 @@ def _attention(
     v = attn.wv(x).view(b, t, attn.n_kv_heads, a.head_dim).transpose(1, 2)
     if a.family == "llama":
         q, k = apply_rope(q, k, rope_inv_freq(a, x.device), positions)
-    cache.write(layer, seqs, k, v)
+    cache.write(layer, k, v)
     # A prompt attends to itself (nothing cached before it); a decode token to its cache.
-    y = cache.prefill_attention(q, k, v) if new else cache.attend(layer, seqs, q)
+    y = cache.prefill_attention(q, k, v) if new else cache.attend(layer, q)
     y = y.transpose(1, 2).reshape(b, t, attn.n_heads * a.head_dim)
     return attn.wo(y)
 
@@ -37,12 +37,13 @@ def _attention(
 def _forward(
     model: Transformer, tokens: Tensor, positions: Tensor, cache, seqs: list[int], new: bool
 ) -> Tensor:
+    cache.begin_step(seqs, tokens.size(1), tokens.device)
     h = model.tok_embeddings(tokens)  # (B, T, d)
     if model.args.family == "gpt2":
         h = h + model.pos_embeddings(positions)
     for i, block in enumerate(model.layers):
         x = block.attention_norm(h)
-        h = h + _attention(block.attention, x, positions, cache, i, seqs, new)
+        h = h + _attention(block.attention, x, positions, cache, i, new)
         h = h + block.feed_forward(block.ffn_norm(h))
     cache.advance(seqs, tokens.size(1))
     return model.output(model.norm(h))  # (B, T, V)

@@ -1,7 +1,8 @@
 """KV caches: the keys and values of every token a sequence has seen, per layer, so a decode
 step computes one token's projections instead of the whole prefix's.
 
-Two layouts behind one interface (``add``, ``extend``, ``write``, ``attend``, ``free``):
+Two layouts behind one interface (``can_add``, ``add``, ``extend``, ``begin_step``, ``write``,
+``attend``, ``advance``, ``free``):
 
 - :class:`ContiguousKVCache`: one slab row per sequence, reserved at admission for the
   longest the sequence may grow (``row_len``): what systems before vLLM did.
@@ -80,35 +81,49 @@ class ContiguousKVCache:
         self.lens[seq] = 0
 
     def extend(self, seq: int, n_tokens: int = 1) -> bool:
-        """Room for ``n_tokens`` more tokens of ``seq``: a row has it up to row_len."""
-        return self.lens[seq] + n_tokens <= self.row_len
+        """Room for ``n_tokens`` more tokens of ``seq``: a row has it up to row_len, and no
+        other sequence's leaving can lengthen it."""
+        if self.lens[seq] + n_tokens > self.row_len:
+            raise ConfigError(
+                f"sequence {seq} outgrew its KV row of {self.row_len} tokens; size the rows "
+                "for prompt + max_new_tokens"
+            )
+        return True
 
     def free(self, seq: int) -> None:
         self.free_rows.append(self.row.pop(seq))
         del self.lens[seq]
 
-    def write(self, layer: int, seqs: list[int], k: Tensor, v: Tensor) -> None:
-        """Append k, v (B, Hkv, T, D) after each sequence's tokens so far."""
-        t = k.size(2)
-        for b, seq in enumerate(seqs):
-            start = self.lens[seq]
-            self.kv[layer, 0, self.row[seq], :, start : start + t] = k[b]
-            self.kv[layer, 1, self.row[seq], :, start : start + t] = v[b]
+    def begin_step(self, seqs: list[int], n_tokens: int, device) -> None:
+        """Where this forward's ``n_tokens`` new tokens of each of ``seqs`` go, computed once
+        for every layer: (row, position) per token, and each sequence's length after."""
+        starts = [self.lens[s] for s in seqs]
+        rows = [self.row[s] for s in seqs]
+        self._rows = torch.tensor(rows, device=device).repeat_interleave(n_tokens)
+        self._positions = torch.tensor(
+            [p for start in starts for p in range(start, start + n_tokens)], device=device
+        )
+        self._row_of_seq = torch.tensor(rows, device=device)
+        self._lens = torch.tensor([start + n_tokens for start in starts], device=device)
+        self._longest = max(starts) + n_tokens
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Append k, v (B, Hkv, T, D) after each sequence's tokens so far (begin_step's)."""
+        # (B, Hkv, T, D) -> (B * T, Hkv, D): one index_put per tensor.
+        self.kv[layer, 0, self._rows, :, self._positions] = k.transpose(1, 2).flatten(0, 1)
+        self.kv[layer, 1, self._rows, :, self._positions] = v.transpose(1, 2).flatten(0, 1)
 
     def advance(self, seqs: list[int], n_tokens: int) -> None:
         """After every layer wrote: the sequences hold ``n_tokens`` more tokens."""
         for seq in seqs:
             self.lens[seq] += n_tokens
 
-    def attend(self, layer: int, seqs: list[int], q: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor) -> Tensor:
         """One new token per sequence, already written: q (B, H, 1, D) over each sequence's
         tokens (its length including the new one) -> (B, H, 1, D)."""
-        rows = torch.tensor([self.row[s] for s in seqs], device=q.device)
-        lens = torch.tensor([self.lens[s] + 1 for s in seqs], device=q.device)
-        longest = int(lens.max())
-        k = self.kv[layer, 0, rows, :, :longest]  # (B, Hkv, T, D)
-        v = self.kv[layer, 1, rows, :, :longest]
-        mask = torch.arange(longest, device=q.device) < lens[:, None]  # (B, T)
+        k = self.kv[layer, 0, self._row_of_seq, :, : self._longest]  # (B, Hkv, T, D)
+        v = self.kv[layer, 1, self._row_of_seq, :, : self._longest]
+        mask = torch.arange(self._longest, device=q.device) < self._lens[:, None]  # (B, T)
         return sdpa(q, k, v, mask[:, None, None, :])
 
     prefill_attention = staticmethod(_prefill_attention)
@@ -175,11 +190,15 @@ class PagedKVCache:
         return math.ceil(n_tokens / self.block_size)
 
     def can_add(self, n_tokens: int) -> bool:
-        return self.blocks_for(n_tokens) <= self.allocator.free_blocks
+        """Blocks for a prompt of ``n_tokens`` and a reserve left free for the running
+        sequences to grow into (vLLM's watermark: 1% of the pool, at least one block) while
+        others run; an empty cache needs no reserve."""
+        reserve = max(1, self.allocator.n_blocks // 100) if self.tables else 0
+        return self.blocks_for(n_tokens) + reserve <= self.allocator.free_blocks
 
     def add(self, seq: int, n_tokens: int) -> None:
         """A block table for ``seq`` with blocks for its first ``n_tokens`` (the prompt)."""
-        if not self.can_add(n_tokens):
+        if self.blocks_for(n_tokens) > self.allocator.free_blocks:
             raise ConfigError(
                 f"no {self.blocks_for(n_tokens)} free KV blocks for {n_tokens} tokens"
             )
@@ -199,42 +218,38 @@ class PagedKVCache:
         self.allocator.give_back(self.tables.pop(seq))
         del self.lens[seq]
 
-    def _slots(self, seqs: list[int], t: int, device) -> tuple[Tensor, Tensor]:
-        """(block, offset) of the next ``t`` tokens of each sequence, each (B * t,)."""
+    def begin_step(self, seqs: list[int], n_tokens: int, device) -> None:
+        """Where this forward's ``n_tokens`` new tokens of each of ``seqs`` go, computed once
+        for every layer: (block, offset) per token, the block table (B, longest table)
+        int32, short tables padded with block 0 (masked by length), and the lengths after."""
         blocks, offsets = [], []
         for seq in seqs:
-            for p in range(self.lens[seq], self.lens[seq] + t):
-                blocks.append(self.tables[seq][p // self.block_size])
+            table = self.tables[seq]
+            for p in range(self.lens[seq], self.lens[seq] + n_tokens):
+                blocks.append(table[p // self.block_size])
                 offsets.append(p % self.block_size)
-        return torch.tensor(blocks, device=device), torch.tensor(offsets, device=device)
+        self._blocks = torch.tensor(blocks, device=device)
+        self._offsets = torch.tensor(offsets, device=device)
+        longest = max(len(self.tables[s]) for s in seqs)
+        rows = [self.tables[s] + [0] * (longest - len(self.tables[s])) for s in seqs]
+        self._table = torch.tensor(rows, dtype=torch.int32, device=device)
+        lens = [self.lens[s] + n_tokens for s in seqs]
+        self._lens = torch.tensor(lens, dtype=torch.int32, device=device)
 
-    def write(self, layer: int, seqs: list[int], k: Tensor, v: Tensor) -> None:
-        """Append k, v (B, Hkv, T, D) after each sequence's tokens so far."""
-        blocks, offsets = self._slots(seqs, k.size(2), k.device)
+    def write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Append k, v (B, Hkv, T, D) after each sequence's tokens so far (begin_step's)."""
         # (B, Hkv, T, D) -> (Hkv, B * T, D): one index_put per tensor.
-        self.kv[layer, 0, :, blocks, offsets] = k.transpose(0, 1).flatten(1, 2)
-        self.kv[layer, 1, :, blocks, offsets] = v.transpose(0, 1).flatten(1, 2)
+        self.kv[layer, 0, :, self._blocks, self._offsets] = k.transpose(0, 1).flatten(1, 2)
+        self.kv[layer, 1, :, self._blocks, self._offsets] = v.transpose(0, 1).flatten(1, 2)
 
     def advance(self, seqs: list[int], n_tokens: int) -> None:
         for seq in seqs:
             self.lens[seq] += n_tokens
 
-    def block_table(self, seqs: list[int], device) -> Tensor:
-        """(B, longest table) int32, short tables padded with block 0 (masked by length)."""
-        longest = max(len(self.tables[s]) for s in seqs)
-        rows = [self.tables[s] + [0] * (longest - len(self.tables[s])) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=device)
-
-    def attend(self, layer: int, seqs: list[int], q: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor) -> Tensor:
         """One new token per sequence, already written: q (B, H, 1, D) over its blocks."""
-        lens = torch.tensor([self.lens[s] + 1 for s in seqs], dtype=torch.int32, device=q.device)
         out = paged_decode_attention(
-            q[:, :, 0],
-            self.kv[layer, 0],
-            self.kv[layer, 1],
-            self.block_table(seqs, q.device),
-            lens,
-            self.kernel,
+            q[:, :, 0], self.kv[layer, 0], self.kv[layer, 1], self._table, self._lens, self.kernel
         )
         return out[:, :, None]  # (B, H, 1, D)
 
