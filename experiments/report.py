@@ -32,6 +32,8 @@ EXPERIMENTS = (
     "optimizers",
     "flash_attention",
     "moe",
+    "quantization",
+    "kv_cache",
 )
 
 

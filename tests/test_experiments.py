@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from experiments import kv_cache_measure as kv_measure
 from experiments import runner
 from experiments.claims import DOES_NOT_HOLD, HOLDS, NOT_COMPARABLE, verdict
 from experiments.report import EXPERIMENTS, experiment_module, write_report
@@ -989,3 +990,153 @@ def test_optimizers_sharded_report_sets_each_strategy_against_its_ddp_run(tmp_pa
     assert rows["zero2"][6] == "1.000" and rows["fsdp"][6] == "1.200"
     assert rows["zero2"][8] == "1.50" and rows["ddp"][4] == "-"
     assert rows["zero2"][9] == "1.50"  # all-reduce on both sides: ring bytes scale alike
+
+
+def _quantization_job(sweep, num, seed, losses, spread=(0.0, 0.0, 0.0, 0.0), failed=False):
+    """A job of the quantization sweep whose report cache (quantization.json) holds the
+    validation ``losses`` of the unquantised, RTN, AWQ and torchao models, each over three
+    sequences at loss - spread, loss, loss + spread."""
+    overrides, config = [f"train.seed={seed}"], {"train": {"seed": seed}}
+    if failed:
+        _job(sweep, num, overrides, config, error="error: the run failed")
+        return
+    _job(sweep, num, overrides, config, summary={"final_train_loss": 4.0, "steps": 300})
+    names = ("unquantised", "rtn", "awq", "torchao")
+    variants = {
+        n: {"loss": loss, "bytes": 2**20 * (4 if n == "unquantised" else 1),
+            "sequence_losses": [loss - d, loss, loss + d]}
+        for n, loss, d in zip(names, losses, spread, strict=True)
+    }  # fmt: skip
+    variants["awq"].update(
+        alphas={"layers.0.attention_input": 0.5, "layers.0.mlp_hidden": 0.25},
+        errors={"layers.0.attention_input": (2.0, 1.0), "layers.0.mlp_hidden": (1.0, 1.0)},
+        outliers={"layers.0.attention_input": 3.0, "layers.0.mlp_hidden": 5.0},
+    )
+    cache = {"checkpoint": "x/step_300", "step": 300, "variants": variants}
+    (sweep / str(num) / "quantization.json").write_text(json.dumps(cache))
+
+
+def test_quantization_report_verdicts(tmp_path):
+    """Perplexity ratios from cached losses: AWQ within the paper's gap of the unquantised
+    model and below RTN on both seeds holds; AWQ and RTN within noise of each other, or
+    seeds that disagree, are not comparable; a job without a checkpoint is marked."""
+    sweep = _sweep(tmp_path, "quantization")
+    # ppl ratios: AWQ / unquantised exp(0.02) = 1.020; RTN / AWQ exp(0.01), exp(0.03)
+    _quantization_job(sweep, 0, 0, (4.00, 4.03, 4.02, 4.031))
+    _quantization_job(sweep, 1, 1, (4.10, 4.15, 4.12, 4.149))
+    _job(sweep, 2, ["train.seed=2"], {"train": {"seed": 2}}, summary={"steps": 300})
+    _quantization_job(sweep, 3, 3, (0, 0, 0, 0), failed=True)
+    module = experiment_module("quantization")
+    tables = module.report(load_jobs(sweep))
+    results = {r[0]: r for r in _rows(tables, "Validation perplexity, unquantised and INT4 g128")}
+    assert results["0"][4:6] == ("56.261 (+3.05%)", "55.701 (+2.02%)")
+    assert results["0"][7:] == ("-0.01000 ± 0.00000", "0.375")  # paired AWQ - RTN; mean alpha
+    assert "holds no checkpoint" in results["2"][3]
+    search = {
+        r[0]: r for r in _rows(tables, "AWQ's search per group of linears (over blocks and seeds)")
+    }
+    assert search["attention_input"][1:4] == (2, "0.5", "0.5")  # MSE halved on both seeds
+    claims = {r[0]: r for r in _rows(tables, "Comparison with the claims")}
+    assert claims["awq_near_fp16"][2] == "1.0202x" and claims["awq_near_fp16"][-1] == HOLDS
+    assert claims["awq_below_rtn"][-1] == HOLDS
+    noisy = _sweep(tmp_path, "noisy")
+    (noisy / "multirun.yaml").write_text((sweep / "multirun.yaml").read_text())
+    _quantization_job(noisy, 0, 0, (4.00, 4.03, 4.02, 4.03), spread=(0, 0, 0.5, 0))
+    claims = {r[0]: r for r in _rows(module.report(load_jobs(noisy)), "Comparison with the claims")}
+    assert claims["awq_below_rtn"][-1].startswith(f"{NOT_COMPARABLE}: AWQ and RTN are within noise")
+    _quantization_job(sweep, 4, 4, (4.00, 4.00, 4.05, 4.0))  # AWQ worse than RTN here
+    claims = {r[0]: r for r in _rows(module.report(load_jobs(sweep)), "Comparison with the claims")}
+    assert claims["awq_below_rtn"][-1].startswith(f"{NOT_COMPARABLE}: the seeds disagree")
+    write_report(sweep, log_wandb=False)
+    assert (sweep / "quantization_perplexity.png").stat().st_size > 0
+
+
+def _kv_job(sweep, num, kv_heads, val_loss, seed=1234):
+    """A kv_cache job: 8 query heads, its final val loss, and the report's cached measurement
+    (so the report loads no checkpoint): bytes per token exact for fp32, 2 layers, head_dim 16."""
+    config = {"model": {"n_heads": 8, "n_kv_heads": kv_heads}, "train": {"seed": seed}}
+    summary = {"device": "cpu", "final_val_loss": val_loss, "n_params": 1000, "steps": 400}
+    # The training loss sits as far above MHA's (4.0) as the val loss, at every step.
+    metrics = [{"step": s, "loss": 6 - s / 100 + val_loss - 4.0} for s in range(10, 110, 10)]
+    _job(sweep, num, [f"model.n_kv_heads={kv_heads}"], config, summary, metrics)
+    per_token = 2 * 2 * kv_heads * 16 * 4
+    cached = {
+        "version": kv_measure.VERSION, "device": "cpu", "n_heads": 8, "n_kv_heads": kv_heads,
+        "dtype": "float32", "max_seq_len": 256, "formula": per_token, "contiguous": per_token,
+        "paged": per_token, "budget_bytes": 2**20, "budget_tokens": 2**20 // per_token,
+        "budget_batch": 2**20 // per_token // 256, "decode_tokens_per_s": 4000.0,
+        "budget_decode_tokens_per_s": 3000.0,
+    }  # fmt: skip
+    (sweep / str(num) / kv_measure.MEASURED).write_text(json.dumps(cached))
+
+
+def _served(share, running, tokens_per_s, step=(1e-3, 2e-4)):
+    """One cache's run of the paging workload, as serve() records it."""
+    return {
+        "pool_tokens": 2048, "pool_bytes": 4 * 2**20, "generated_tokens": 9000,
+        "seconds": 9000 / tokens_per_s, "tokens_per_s": tokens_per_s, "decode_steps": 3,
+        "mean_running": running, "mean_running_saturated": running, "max_running": 2 * running,
+        "preemptions": 0, "prefill_tokens": 4000, "prompt_tokens": 4000, "token_share": share,
+        "token_share_saturated": share, "token_share_of_pool": share, "audit_share": share,
+        "bookkeeping_agrees": True, "written_share": 1.0,
+        "step_time": {"intercept_s": step[0], "per_request_s": step[1]},
+        "occupancy": [[25, 100], [50, 100], [75, 100]], "batches": [8, 8, 7], "same_tokens": 200,
+    }  # fmt: skip
+
+
+def test_kv_cache_report_verdicts(tmp_path):
+    """The formula and the n_heads / n_kv_heads scaling hold when the tracked bytes equal
+    them; loss ratios against the papers' tolerances; the paging claims from the workload's
+    cached runs, the throughput one not comparable on a CPU; MHA at a second seed asked for
+    once; a job that was never measured and holds no checkpoint is noted, not fatal."""
+    sweep = _sweep(tmp_path, "kv_cache")
+    _kv_job(sweep, 0, 8, 4.000)
+    _kv_job(sweep, 1, 2, 4.020)  # GQA / MHA 1.005: within 1% of the paper's 1
+    _kv_job(sweep, 2, 1, 4.100)  # MQA / MHA 1.025: past 1.011 + 1%
+    module = experiment_module("kv_cache")
+    assert module.follow_up(load_jobs(sweep)) == [["model.n_kv_heads=8", "train.seed=1235"]]
+    _kv_job(sweep, "follow_up_1/0", 8, 4.008, seed=1235)
+    assert module.follow_up(load_jobs(sweep)) == []
+    served = {
+        "max_seq_len": 256, "requests": 200, "mean_prompt": 20.0, "mean_new": 44.0,
+        "runs": {
+            "contiguous": _served(0.28, 8.0, 2000.0),
+            "paged_2": _served(0.98, 32.0, 2400.0),
+            "paged_16": _served(0.90, 29.0, 2300.0),
+        },
+    }  # fmt: skip
+    cached = {"version": kv_measure.VERSION, **served}
+    (sweep / "0" / kv_measure.SERVED).write_text(json.dumps(cached))
+    tables = module.report(load_jobs(sweep))
+    rows = _rows(tables, "Comparison with the papers")
+    verdicts = [(r[0], r[-1]) for r in rows]
+    assert verdicts[:8] == [("kv_formula", HOLDS)] * 6 + [("kv_scaling", HOLDS)] * 2
+    assert [r[2] for r in rows[6:8]] == ["4x", "8x"]
+    claims = {r[0]: r for r in rows[8:]}
+    assert claims["gqa_quality"][2] == "1.005x" and claims["gqa_quality"][-1] == HOLDS
+    assert "next seed / this one: 1.0020" in claims["gqa_quality"][1]
+    assert claims["mqa_quality"][-1] == DOES_NOT_HOLD
+    assert claims["prealloc_share"][2] == "28%" and claims["prealloc_share"][-1] == HOLDS
+    paged = [r for r in rows if r[0] == "paged_share"]
+    assert [(r[1].split(" (")[0], r[-1]) for r in paged] == [
+        ("paged, block 2", HOLDS),
+        ("paged, block 16", DOES_NOT_HOLD),
+    ]
+    assert claims["batched_requests"][2] == "4x" and claims["batched_requests"][-1] == HOLDS
+    throughput = claims["throughput"][-1]
+    assert throughput.startswith(f"{NOT_COMPARABLE}: 1.20x measured on a CPU")
+    assert "with 4.00x the requests a step" in throughput
+    variants = {r[0]: r for r in _rows(tables, "The cache of each variant")}
+    assert variants["MQA"][5:8] == ("64.0 KiB", "4,096", 16)
+    assert variants["GQA"][-3:] == ("4.0200", "+0.0200", "+0.0200")
+    serving = _rows(tables, "Serving one mixed-length workload")
+    assert [r[2] for r in serving] == ["28.0%", "98.0%", "90.0%"]
+    assert [r[5] for r in serving] == ["every step"] * 3
+    (sweep / "2" / kv_measure.MEASURED).unlink()  # MQA: no measurement, no checkpoint
+    tables = module.report(load_jobs(sweep))
+    comparison = next(t for t in tables if t.title == "Comparison with the papers")
+    assert comparison.note.startswith("MQA not measured:") and "checkpoint" in comparison.note
+    assert "MQA" not in {r[0] for r in _rows(tables, "The cache of each variant")}
+    write_report(sweep, log_wandb=False)
+    assert (sweep / "kv_cache_loss.png").stat().st_size > 0
+    assert (sweep / "kv_cache_paging.png").stat().st_size > 0

@@ -40,6 +40,13 @@ TORCH = [
     ("torch.nn.parallel", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model"),
     # MoE experts in one kernel (llm/models/moe.py, model.moe.kernel=grouped).
     ("torch", "_grouped_mm"),
+    # INT4 weight-only matmuls of a quantised linear (llm/inference/quantize.py).
+    ("torch", "_weight_int4pack_mm"),
+    ("torch", "_convert_weight_to_int4pack"),
+    ("torch", "_weight_int4pack_mm_for_cpu"),
+    ("torch", "_convert_weight_to_int4pack_for_cpu"),
+    # A fake process group: the inference estimate's tp shards, built without ranks (tests).
+    ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     # The foreach kernels our optimizers step with.
     ("torch", "_foreach_lerp_"),
     ("torch", "_foreach_norm"),
