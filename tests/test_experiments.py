@@ -76,7 +76,15 @@ def test_every_job_of_every_sweep_composes(name):
         _dry_run(config, sweep_jobs(config), check=scale != "gpu")
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
+# Reports that measure checkpoints (quantising, serving a workload: 25-50 s even after one
+# step) run in the slow suite; their verdicts are checked on fixture sweeps below.
+MEASURING_REPORTS = ("quantization", "kv_cache")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in MEASURING_REPORTS else n for n in EXPERIMENTS],
+)
 def test_one_step_of_each_small_sweep_runs_and_reports(tmp_path, name):
     """The real thing, shrunk: each experiment's small sweep reduced to its first job (its
     first value of every axis) and one step, through the runner and train.py, then its
