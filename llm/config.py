@@ -333,6 +333,14 @@ class PrecisionConfig:
     # What gradients are reduced in across data-parallel ranks: None is the policy's own
     # (fp32 under fp16/bf16 mixed precision); fp32 | bf16 | fp16 to override.
     reduce_dtype: str | None = None
+    # precision=fp8: how the GEMMs' fp8 inputs are scaled (llm/precision/fp8/): tensorwise
+    # (one scale a tensor, torchao's default), rowwise (one a row, torchao's), deepseek
+    # (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks, e4m3 throughout).
+    fp8_recipe: str = "tensorwise"
+    # Quantise and dequantise in fp32 (the recipe's rounding, not its speed): null picks it
+    # where the real kernels cannot run (no fp8 tensor cores or no torchao) and for deepseek,
+    # which has no fp8 kernel of ours yet; false refuses to emulate.
+    fp8_emulate: bool | None = None
 
     def __post_init__(self) -> None:
         _require_choice(
@@ -342,6 +350,9 @@ class PrecisionConfig:
             ("auto", "fp32", "tf32", "fp16", "bf16", "bf16_pure", "fp8"),
         )
         _require_choice("precision", "loss_scaler", self.loss_scaler, LOSS_SCALER_PRESETS)
+        _require_choice(
+            "precision", "fp8_recipe", self.fp8_recipe, ("tensorwise", "rowwise", "deepseek")
+        )
         _require_choice(
             "precision", "update_rounding", self.update_rounding, ("stochastic", "kahan")
         )

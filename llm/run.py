@@ -182,7 +182,12 @@ def _train(
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
     precision = resolve_precision(
-        cfg.precision.name, device, cfg.precision.update_rounding, cfg.precision.reduce_dtype
+        cfg.precision.name,
+        device,
+        cfg.precision.update_rounding,
+        cfg.precision.reduce_dtype,
+        cfg.precision.fp8_recipe,
+        cfg.precision.fp8_emulate,
     )
     precision.apply_backend_flags()
     dims = ParallelDims.from_config(
@@ -259,6 +264,11 @@ def _train(
         if env.rank == 0
         else NullLogger()
     )
+    if precision.fp8_emulated:
+        logger.info(
+            f"fp8: the {precision.fp8_recipe} recipe runs emulated (e4m3 quantised and "
+            "dequantised, matmuls in fp32): its rounding, not its speed or memory"
+        )
     model_digest = shape_digest(args)
     checkpointer = (
         Checkpointer(
@@ -344,6 +354,10 @@ def _run_facts(
         "ep_size": cfg.parallelism.ep_size,
         "strategy": cfg.parallelism.name,
         "precision": precision.name,
+        # precision=fp8: its recipe, and whether it ran emulated (fp32 quantise-dequantise:
+        # the recipe's rounding, not its speed or memory).
+        "fp8_recipe": precision.fp8_recipe,
+        "fp8_emulated": precision.fp8_emulated,
         "model": cfg.model.name,
         "n_params": num_params(args),
         # What a token multiplies: top_k of the routed experts (all of a dense model).

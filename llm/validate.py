@@ -24,6 +24,7 @@ from llm.parallel.pipeline import check_layout
 from llm.parallel.strategy import refuse_optimizer
 from llm.parallel.tensor_parallel import check_tensor_parallel, kv_replicated
 from llm.precision import resolve_precision
+from llm.precision.fp8 import convert_to_fp8
 from llm.train.checkpoint_files import META, list_checkpoints, step_of
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         freeze(build_model(args), cfg.model.freeze)  # on the meta device: names only
     device = resolve_device(cfg)
     precision = resolve_precision(
-        cfg.precision.name, device, cfg.precision.update_rounding, cfg.precision.reduce_dtype
+        cfg.precision.name,
+        device,
+        cfg.precision.update_rounding,
+        cfg.precision.reduce_dtype,
+        cfg.precision.fp8_recipe,
+        cfg.precision.fp8_emulate,
     )
+    if precision.fp8_emulated and cfg.model.init_from is None:
+        # deepseek's 128x128 blocks refuse a shape here, before any rank starts (meta: free).
+        convert_to_fp8(build_model(args), precision.fp8_recipe)
 
     nproc = world_size or cfg.launcher.nproc_per_node
     if device.type == "cuda" and world_size is None and nproc > torch.cuda.device_count():

@@ -25,9 +25,10 @@ from llm.precision import (
     PrecisionPolicy,
     apply_fp8,
     apply_precision,
-    require_fp8,
+    fp8_kernels_problem,
     resolve_precision,
 )
+from llm.validate import validate
 
 CPU = torch.device("cpu")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -68,22 +69,36 @@ def test_reduce_dtype_overrides_the_policy_default():
         resolve_precision("bf16", CPU, reduce_dtype="int8")
 
 
-@pytest.mark.parametrize("name", ["tf32", "fp8"])
-def test_gpu_only_precisions_are_refused_on_cpu(name):
-    with pytest.raises(ConfigError, match=f"precision={name} needs an NVIDIA GPU"):
-        resolve_precision(name, CPU)
+def test_tf32_is_refused_on_cpu():
+    with pytest.raises(ConfigError, match="precision=tf32 needs an NVIDIA GPU"):
+        resolve_precision("tf32", CPU)
+
+
+def test_fp8_on_cpu_is_emulated_unless_refused():
+    for recipe in ("tensorwise", "rowwise", "deepseek"):
+        policy = resolve_precision("fp8", CPU, fp8_recipe=recipe)
+        assert policy.fp8 and policy.fp8_emulated and policy.fp8_recipe == recipe
+    with pytest.raises(ConfigError, match="precision=fp8 needs an NVIDIA GPU") as err:
+        resolve_precision("fp8", CPU, fp8_emulate=False)
+    assert "precision.fp8_emulate=true" in str(err.value)
+    with pytest.raises(ConfigError, match="deepseek runs emulated only"):
+        resolve_precision("fp8", CPU, fp8_recipe="deepseek", fp8_emulate=False)
 
 
 def test_fp8_without_torchao_names_the_install(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match="pip install torchao"):
-        require_fp8(torch.device("cuda"))
+    assert "pip install torchao" in fp8_kernels_problem(torch.device("cuda"))
 
 
-def test_fp8_on_cpu_is_one_line_from_the_cli(tmp_path):
+def test_fp8_unemulated_on_cpu_is_one_line_from_the_cli(tmp_path):
     train = Path(__file__).resolve().parent.parent / "train.py"
-    args = ["precision=fp8", "train.device=cpu", f"hydra.run.dir={tmp_path / 'x'}"]
+    args = [
+        "precision=fp8",
+        "precision.fp8_emulate=false",
+        "train.device=cpu",
+        f"hydra.run.dir={tmp_path / 'x'}",
+    ]
     result = subprocess.run(
         [sys.executable, str(train), *args], cwd=tmp_path, capture_output=True, text=True
     )
@@ -91,6 +106,36 @@ def test_fp8_on_cpu_is_one_line_from_the_cli(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: precision=fp8 needs an NVIDIA GPU with fp8 tensor cores")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "deepseek"])
+def test_fp8_recipes_train_end_to_end_in_emulation(tmp_path, text_corpus, cache_dir, recipe):
+    """Each recipe trains on CPU, emulated, and the summary says so; fp32 from the same seed
+    and data is the yardstick (a few steps of a tiny llama: within 5% at the end)."""
+    shape = ("model=llama-tiny", "model.d_model=128", "model.n_kv_heads=4", "model.d_ff=384")
+    ref, _ = run(tmp_path, "fp32", text_corpus, cache_dir, *shape, "precision=fp32")
+    summary, _ = run(
+        tmp_path, recipe, text_corpus, cache_dir, *shape, "precision=fp8",
+        f"precision.fp8_recipe={recipe}",
+    )  # fmt: skip
+    assert summary["fp8_recipe"] == recipe and summary["fp8_emulated"] is True
+    assert summary["final_train_loss"] == pytest.approx(ref["final_train_loss"], rel=0.05)
+    assert summary["final_train_loss"] != ref["final_train_loss"]  # it did quantise
+
+
+def test_deepseek_refuses_a_shape_off_its_blocks_before_any_rank_starts(tmp_path):
+    cfg = compose_config(
+        [
+            f"output_dir={tmp_path}",
+            "model=gpt2-tiny",
+            "precision=fp8",
+            "precision.fp8_recipe=deepseek",
+            "train.device=cpu",
+        ]
+    )
+    with pytest.raises(ConfigError, match="not multiples of its 128x128 blocks") as err:
+        validate(cfg)
+    assert "\n" not in str(err.value)
 
 
 # ---- mixed precision end to end ---------------------------------------------------------
@@ -293,7 +338,8 @@ def test_apply_fp8_converts_block_linears_only():
     pytest.importorskip("torchao.float8")
     from torchao.float8.float8_linear import Float8Linear
 
-    fp8 = PrecisionPolicy("fp8", F32, BF16, F32, fp8=True)  # resolve refuses a CPU
+    # torchao's path, as on a GPU (on a CPU resolve_precision picks emulation).
+    fp8 = PrecisionPolicy("fp8", F32, BF16, F32, fp8=True, fp8_recipe="tensorwise")
     model = tiny_model()
     model.layers[0].feed_forward.add_module("odd", nn.Linear(64, 24, device="meta"))
     converted = {n for n, m in apply_fp8(model, fp8).named_modules() if isinstance(m, Float8Linear)}

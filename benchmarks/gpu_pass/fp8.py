@@ -53,7 +53,7 @@ def run(dry: bool) -> Result:
         model = copy.deepcopy(base)
         if name == "fp8":
             try:
-                model = apply_fp8(model, resolve_precision("fp8", dev))
+                model = apply_fp8(model, resolve_precision("fp8", dev, fp8_emulate=False))
             except ConfigError as e:
                 notes.append(f"fp8: not run: {e}")
                 continue

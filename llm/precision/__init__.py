@@ -13,7 +13,7 @@ from llm.precision.policy import (
     apply_fp8,
     apply_precision,
     bf16_supported,
-    require_fp8,
+    fp8_kernels_problem,
     resolve_precision,
 )
 
@@ -27,6 +27,6 @@ __all__ = [
     "bf16_supported",
     "build_loss_scaler",
     "disabled_loss_scaler",
-    "require_fp8",
+    "fp8_kernels_problem",
     "resolve_precision",
 ]

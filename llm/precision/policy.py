@@ -32,7 +32,10 @@ class PrecisionPolicy:
     master_dtype: torch.dtype = torch.float32  # the weights the optimizer updates
     loss_scaling: bool = False  # fp16: gradients underflow without a loss scale
     update_rounding: str | None = None  # bf16_pure: "stochastic" | "kahan"
-    fp8: bool = False  # torchao float8 matmuls inside the compute dtype
+    fp8: bool = False  # float8 matmuls inside the compute dtype
+    fp8_recipe: str | None = None  # tensorwise | rowwise | deepseek (precision=fp8)
+    # Quantised and dequantised in fp32 (llm/precision/fp8/), not torchao's fp8 kernels.
+    fp8_emulated: bool = False
 
     @property
     def working_dtype(self) -> torch.dtype:
@@ -74,10 +77,14 @@ def resolve_precision(
     device: torch.device,
     update_rounding: str = "stochastic",
     reduce_dtype: str | None = None,
+    fp8_recipe: str = "tensorwise",
+    fp8_emulate: bool | None = None,
 ) -> PrecisionPolicy:
     """Turn a precision name into a policy for this device; impossible pairs are refused.
-    ``reduce_dtype`` (fp32 | bf16 | fp16) replaces the policy's own; None keeps it."""
-    policy = _named_policy(name, device, update_rounding)
+    ``reduce_dtype`` (fp32 | bf16 | fp16) replaces the policy's own; None keeps it.
+    ``fp8_recipe`` and ``fp8_emulate``: precision=fp8's scaling and whether it is emulated
+    (:func:`fp8_emulation`)."""
+    policy = _named_policy(name, device, update_rounding, fp8_recipe, fp8_emulate)
     if reduce_dtype is None:
         return policy
     if reduce_dtype not in REDUCE_DTYPES:
@@ -88,7 +95,9 @@ def resolve_precision(
     return dataclasses.replace(policy, reduce_dtype=REDUCE_DTYPES[reduce_dtype])
 
 
-def _named_policy(name: str, device: torch.device, update_rounding: str) -> PrecisionPolicy:
+def _named_policy(
+    name: str, device: torch.device, update_rounding: str, fp8_recipe: str, fp8_emulate: bool | None
+) -> PrecisionPolicy:
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     if name == "auto":
         name = "bf16" if bf16_supported(device) else "fp32"
@@ -118,23 +127,48 @@ def _named_policy(name: str, device: torch.device, update_rounding: str) -> Prec
             "bf16_pure", bf16, bf16, bf16, master_dtype=bf16, update_rounding=update_rounding
         )
     if name == "fp8":
-        require_fp8(device)
-        return PrecisionPolicy("fp8", f32, bf16, f32, allow_tf32=True, fp8=True)
+        emulated = fp8_emulation(device, fp8_recipe, fp8_emulate)
+        return PrecisionPolicy(
+            "fp8",
+            f32,
+            bf16,
+            f32,
+            allow_tf32=True,
+            fp8=True,
+            fp8_recipe=fp8_recipe,
+            fp8_emulated=emulated,
+        )
     raise ConfigError(
         f"precision={name!r} is unknown; choose one of auto, fp32, tf32, fp16, bf16, bf16_pure, fp8"
     )
 
 
-def require_fp8(device: torch.device) -> None:
-    """float8 training needs torchao and a GPU with fp8 tensor cores (sm89+: Ada, Hopper)."""
+def fp8_emulation(device: torch.device, recipe: str, emulate: bool | None) -> bool:
+    """Whether fp8 runs emulated: as asked, else where the real kernels cannot run. deepseek
+    has no fp8 kernel of ours yet, so it always is; refused in one line where the real
+    kernels are asked for and cannot run."""
+    if recipe == "deepseek":
+        if emulate is False:
+            raise ConfigError(
+                "precision.fp8_recipe=deepseek runs emulated only (no block-scaled fp8 GEMM of "
+                "ours yet); drop precision.fp8_emulate=false"
+            )
+        return True
+    if emulate is None:
+        return fp8_kernels_problem(device) is not None
+    if not emulate and (problem := fp8_kernels_problem(device)):
+        raise ConfigError(f"{problem}, or set precision.fp8_emulate=true to emulate it")
+    return emulate
+
+
+def fp8_kernels_problem(device: torch.device) -> str | None:
+    """Why torchao's float8 training cannot run here, or None."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise ConfigError(
-            "precision=fp8 needs an NVIDIA GPU with fp8 tensor cores (sm89+, e.g. H100); "
-            "use precision=bf16"
-        )
+        return "precision=fp8 needs an NVIDIA GPU with fp8 tensor cores (sm89+, e.g. H100)"
     # find_spec, not import: torchao's import loads CUDA extensions, slow and noisy.
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("precision=fp8 needs torchao for float8 training: pip install torchao")
+        return "precision=fp8 needs torchao for float8 training (pip install torchao)"
+    return None
 
 
 def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
@@ -144,8 +178,9 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
 
 
 def apply_fp8(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
-    """Swap nn.Linear layers for torchao's Float8Linear (dynamic per-tensor scales) when
-    the policy says fp8; a no-op otherwise.
+    """Swap the linears for fp8 ones when the policy says fp8; a no-op otherwise. Emulated:
+    our Fp8Linear (llm/precision/fp8/) with the recipe's scales; else torchao's Float8Linear
+    with its recipe (tensorwise: dynamic per-tensor scales; rowwise).
 
     As torchtitan does, the output head stays in high precision (the logits feed a softmax
     over the whole vocabulary and are the most sensitive to quantisation), and so does any
@@ -153,9 +188,14 @@ def apply_fp8(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
     """
     if not policy.fp8:
         return model
-    from torchao.float8 import convert_to_float8_training
+    if policy.fp8_emulated:
+        from llm.precision.fp8 import convert_to_fp8
 
-    return convert_to_float8_training(model, module_filter_fn=_fp8_eligible)
+        return convert_to_fp8(model, policy.fp8_recipe)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(policy.fp8_recipe)
+    return convert_to_float8_training(model, config=config, module_filter_fn=_fp8_eligible)
 
 
 def _fp8_eligible(module: nn.Module, fqn: str) -> bool:

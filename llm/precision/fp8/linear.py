@@ -1,0 +1,213 @@
+"""An nn.Linear whose three GEMMs take fp8 operands cast per recipe, emulated: each operand is
+quantised with the recipe's scales, dequantised to fp32, and multiplied in fp32.
+
+    output      (M, N) = input (M, K) @ weight (N, K)^T           reduces over K = in_features
+    grad_input  (M, K) = grad_output (M, N) @ weight (N, K)       reduces over N = out_features
+    grad_weight (N, K) = grad_output (M, N)^T @ input (M, K)      reduces over M = tokens
+
+Every scale is taken along the reduction dimension of the GEMM its operand enters, so it
+factors out of each dot product (DeepSeek-V3 §3.3.2: "per-group scaling factors along the
+inner dimension"). The codes and scales are the recipe's to the bit (scaling.py); the GEMM
+differs from the hardware's only by fp32 rounding. DeepSeek's kernels multiply fp8 codes on
+tensor cores whose accumulator keeps about 14 bits, so they promote the partial sum of each
+128 elements of K to fp32 registers, scaled there (§3.3.2, N_C = 128). Here every product
+and every sum is fp32 already, which is what that promotion buys; summing 128-wide chunks
+explicitly would only reorder fp32 additions (a difference near 2^-24 relative, against the
+2^-4 of an e4m3 code), so one fp32 matmul stands for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llm.errors import ConfigError
+from llm.precision.fp8.scaling import (
+    DEEPSEEK_RULE,
+    E4M3,
+    E5M2,
+    TILE,
+    TORCHAO_POW2_RULE,
+    TORCHAO_RULE,
+    Quantized,
+    ScaleRule,
+    quantize_blocks,
+    quantize_rowwise,
+    quantize_tensorwise,
+    quantize_tiles,
+)
+from llm.precision.fp8.stats import Fp8Stats
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """Which scales each GEMM operand gets: ``activations`` for inputs and output gradients
+    ("tensor", "row" or "tile"), ``weights`` ("tensor", "row" or "block"), each along the
+    GEMM's reduction dimension; output gradients in ``grad_dtype``, the rest in e4m3."""
+
+    name: str
+    activations: str
+    weights: str
+    rule: ScaleRule
+    grad_dtype: torch.dtype
+    # DeepSeek keeps the fp8 forward copies: the weight's 128x128 blocks serve grad_input
+    # as they are, and the input's 1x128 tiles are dequantised, transposed and requantised
+    # into 128x1 tiles for grad_weight (§3.5.2). torchao casts the saved high-precision
+    # input and weight afresh for each GEMM.
+    from_fp8_copies: bool
+
+    def cast(self, t: Tensor, granularity: str, dim: int, dtype: torch.dtype = E4M3) -> Quantized:
+        """``t`` cast with one scale per ``granularity`` group, the groups along ``dim``."""
+        if granularity == "tensor":
+            return quantize_tensorwise(t, self.rule, dtype)
+        if granularity == "row":
+            return quantize_rowwise(t, dim, self.rule, dtype)
+        if granularity == "tile":
+            return quantize_tiles(t, dim, self.rule, dtype)
+        return quantize_blocks(t, self.rule, dtype)
+
+
+RECIPES = {
+    # torchao's default Float8LinearConfig: one dynamic scale per tensor; grad_output in
+    # e5m2 (its default for gradients), input and weight in e4m3; scales not rounded.
+    "tensorwise": Fp8Recipe("tensorwise", "tensor", "tensor", TORCHAO_RULE, E5M2, False),
+    # torchao's "rowwise": axiswise scales, e4m3 for all three, scales rounded down to 2^k.
+    "rowwise": Fp8Recipe("rowwise", "row", "row", TORCHAO_POW2_RULE, E4M3, False),
+    # DeepSeek-V3 §3.3: 1x128 tiles for activations and their gradients, 128x128 blocks
+    # for weights, e4m3 everywhere.
+    "deepseek": Fp8Recipe("deepseek", "tile", "block", DEEPSEEK_RULE, E4M3, True),
+}
+
+
+def get_recipe(name: str) -> Fp8Recipe:
+    if name not in RECIPES:
+        raise ConfigError(
+            f"precision.fp8_recipe={name!r} is unknown; choose one of {', '.join(RECIPES)}"
+        )
+    return RECIPES[name]
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """x (M, K) @ weight (N, K)^T -> (M, N) fp32, each of the three GEMMs on fp8 operands."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, recipe: Fp8Recipe, stats: Fp8Stats | None):
+        xq = recipe.cast(x, recipe.activations, dim=1)
+        wq = recipe.cast(weight, recipe.weights, dim=1)
+        if stats is not None:
+            stats.record("input", x, xq)
+            stats.record("weight", weight, wq)
+        x_hat, w_hat = xq.dequantize(), wq.dequantize()
+        ctx.save_for_backward(*((x_hat, w_hat) if recipe.from_fp8_copies else (x, weight)))
+        ctx.recipe, ctx.stats, ctx.dtypes = recipe, stats, (x.dtype, weight.dtype)
+        return x_hat @ w_hat.t()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        recipe, stats = ctx.recipe, ctx.stats
+        x_saved, w_saved = ctx.saved_tensors
+        grad_out = grad_out.float()  # (M, N)
+        grad_x = grad_w = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                gq = recipe.cast(grad_out, recipe.activations, dim=1, dtype=recipe.grad_dtype)
+                if recipe.from_fp8_copies:
+                    w_t = w_saved  # the forward's 128x128 blocks, dequantised
+                else:
+                    w_t = _weight_for_grad_input(recipe, stats, w_saved)
+                if stats is not None:
+                    stats.record("grad_output", grad_out, gq)
+                grad_x = (gq.dequantize() @ w_t).to(ctx.dtypes[0])
+            if ctx.needs_input_grad[1]:
+                g_t = _token_operand(recipe, stats, "grad_output_t", grad_out, recipe.grad_dtype)
+                x_t = _token_operand(recipe, stats, "input_t", x_saved, E4M3)
+                grad_w = (g_t.t() @ x_t).to(ctx.dtypes[1])
+        return grad_x, grad_w, None, None
+
+
+def _weight_for_grad_input(recipe: Fp8Recipe, stats: Fp8Stats | None, weight: Tensor) -> Tensor:
+    """The weight (N, K) dequantised as grad_input's operand: its scales along N."""
+    q = recipe.cast(weight, recipe.weights, dim=0)
+    if stats is not None:
+        stats.record("weight_t", weight, q)
+    return q.dequantize()
+
+
+def _token_operand(
+    recipe: Fp8Recipe, stats: Fp8Stats | None, operand: str, t: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """``t`` (M, C) dequantised as grad_weight's operand: scales along the M tokens. 128x1
+    tiles need M a multiple of 128; zero rows fill the last tile, which changes neither its
+    amax nor any product (as a masked kernel tile would), and are cut off again."""
+    m = t.size(0)
+    pad = -m % TILE if recipe.activations == "tile" else 0
+    padded = F.pad(t, (0, 0, 0, pad)) if pad else t
+    q = recipe.cast(padded, recipe.activations, dim=0, dtype=dtype)
+    if stats is not None:
+        stats.record(operand, padded, q)
+    return q.dequantize()[:m]
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear whose three GEMMs run on fp8 operands per ``recipe`` (emulated in fp32).
+    Parameters, their names and dtypes are nn.Linear's; the output is in the input's dtype
+    (the autocast dtype under autocast), with the bias added in fp32. ``stats``: None, or an
+    :class:`Fp8Stats` that every GEMM records into (see :func:`record_fp8_stats`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        recipe: str = "deepseek",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.recipe = get_recipe(recipe)
+        self.stats: Fp8Stats | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: str) -> Fp8Linear:
+        """An Fp8Linear holding ``linear``'s own Parameter objects (no copy, no allocation)."""
+        new = cls(linear.in_features, linear.out_features, False, recipe, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # As torchao's Float8Linear: the input arrives in the autocast dtype (the paper's
+            # BF16 activations); the weight is cast from its fp32 master straight to fp8.
+            x = x.to(torch.get_autocast_dtype(device))
+        with torch.autocast(device, enabled=False):
+            out = _Fp8Matmul.apply(
+                x.reshape(-1, self.in_features), self.weight, self.recipe, self.stats
+            )
+            if self.bias is not None:
+                out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"
+
+
+@contextlib.contextmanager
+def record_fp8_stats(model: nn.Module) -> Iterator[Fp8Stats]:
+    """Every Fp8Linear of ``model`` records into one :class:`Fp8Stats` until the block ends."""
+    stats = Fp8Stats()
+    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in linears:
+        m.stats = stats
+    try:
+        yield stats
+    finally:
+        for m in linears:
+            m.stats = None
