@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import compose_config
 from helpers import run as train
 
 from llm.config import GenerateConfig
@@ -189,12 +190,14 @@ def readme_generate_commands() -> list[list[str]]:
     return commands
 
 
-def test_readme_generate_commands_run(bpe_run, tmp_path):
+def test_readme_generate_commands_run(bpe_run, tmp_path, monkeypatch):
+    """Each README command composed by Hydra as the CLI composes it (its quoting included)
+    and run in-process; test_cli_writes_generate_json runs the module itself."""
     commands = readme_generate_commands()
     assert len(commands) >= 3
     hf = _hf_folder(bpe_run, tmp_path / "hf")
     (tmp_path / "prompts.txt").write_text("import os\nclass A:\n")
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO))
+    monkeypatch.chdir(tmp_path)  # the README's relative prompts.txt
     for i, args in enumerate(commands):
         args = [
             a.replace("outputs/DATE/TIME", str(bpe_run)).replace(
@@ -203,11 +206,7 @@ def test_readme_generate_commands_run(bpe_run, tmp_path):
             for a in args
         ]
         out = tmp_path / f"out{i}"
-        cmd = [sys.executable, "-m", "llm.generate", *args, "generate.max_new_tokens=4"]
-        cmd += [f"output_dir={out}", "logger=none"]
-        done = subprocess.run(
-            cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
-        assert done.returncode == 0, f"{shlex.join(args)}: {done.stderr[-2000:]}"
-        result = json.loads((out / "generate.json").read_text())
-        assert all(1 <= len(t) <= 4 for t in result["tokens"])
+        cfg = compose_config([*args, "generate.max_new_tokens=4", f"output_dir={out}"])
+        result = run(cfg.generate, out)
+        assert json.loads((out / "generate.json").read_text())["tokens"] == result["tokens"]
+        assert all(1 <= len(t) <= 4 for t in result["tokens"]), shlex.join(args)

@@ -34,7 +34,9 @@ LAYOUTS = {
     # Expert slices saved as DTensors on the (edp, ep) mesh.
     "moe_ddp_ep2": ("parallelism=ddp", "parallelism.ep_size=2", "launcher.nproc_per_node=2"),
 }
-SLOW = {"fsdp_dp2_tp2", "tp2_pp2", "zero3", "moe_ddp_ep2"}
+# All several-rank runs: the default suite loads HF folders and one-process runs
+# (tests/test_generate.py, tests/test_generate_hf.py).
+SLOW = set(LAYOUTS)
 
 
 def _greedy(loaded) -> list[list[int]]:
