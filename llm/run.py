@@ -41,7 +41,7 @@ from llm.parallel.expert_parallel import expert_mesh
 from llm.parallel.expert_parallel import install as install_expert_exchanges
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
 from llm.parallel.tensor_parallel import apply_tensor_parallel, padded_vocab
-from llm.precision import apply_precision, build_loss_scaler, resolve_precision
+from llm.precision import apply_precision, build_loss_scaler
 from llm.recompute import apply_recompute, recompute_policy
 from llm.run_dir_lock import RunDirLock
 from llm.run_record import write_run_record
@@ -49,7 +49,7 @@ from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import peak_flops
 from llm.train.stop import StopRequested, stop_guard
 from llm.train.trainer import Trainer
-from llm.validate import model_args_for, resolve_device
+from llm.validate import model_args_for, precision_for, resolve_device
 
 REPO = Path(__file__).resolve().parent.parent
 # Keys that name where or how a run is logged, not what it computes.
@@ -181,14 +181,7 @@ def _train(
     torch.manual_seed(cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
-    precision = resolve_precision(
-        cfg.precision.name,
-        device,
-        cfg.precision.update_rounding,
-        cfg.precision.reduce_dtype,
-        cfg.precision.fp8_recipe,
-        cfg.precision.fp8_emulate,
-    )
+    precision = precision_for(cfg, device)
     precision.apply_backend_flags()
     dims = ParallelDims.from_config(
         cfg.parallelism.dp_size,

@@ -68,6 +68,14 @@ def model_args_for(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
     )
 
 
+def precision_for(cfg: Config, device: torch.device):
+    """The run's precision policy on ``device``, from every precision.* key."""
+    p = cfg.precision
+    return resolve_precision(
+        p.name, device, p.update_rounding, p.reduce_dtype, p.fp8_recipe, p.fp8_emulate
+    )
+
+
 def check_vocab(cfg: Config, args: ModelArgs) -> None:
     """Refuse a model.vocab_size (a published shape's config sets it) smaller than the
     tokenizer's where that is known from the config (byte, bpe): the run would refuse it
@@ -95,14 +103,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if cfg.model.freeze and cfg.model.init_from is None:
         freeze(build_model(args), cfg.model.freeze)  # on the meta device: names only
     device = resolve_device(cfg)
-    precision = resolve_precision(
-        cfg.precision.name,
-        device,
-        cfg.precision.update_rounding,
-        cfg.precision.reduce_dtype,
-        cfg.precision.fp8_recipe,
-        cfg.precision.fp8_emulate,
-    )
+    precision = precision_for(cfg, device)
     if precision.fp8_emulated and cfg.model.init_from is None:
         # deepseek's 128x128 blocks refuse a shape here, before any rank starts (meta: free).
         convert_to_fp8(build_model(args), precision.fp8_recipe)

@@ -11,7 +11,6 @@ checkpoint written before it did falls back to the run's .hydra/config.yaml for 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from llm.errors import CheckpointError, ConfigError
 from llm.models import HFSource, ModelArgs, Transformer, build_model, materialize_from
 from llm.models.args import MoEArgs, RopeScaling
 from llm.parallel.tensor_parallel import padded_vocab
+from llm.train.checkpoint import SAVE_OR_LOAD_ERRORS, describe, single_process_quiet
 from llm.train.checkpoint_files import META, file_problem, list_checkpoints, read_meta, step_of
 
 
@@ -114,14 +114,12 @@ def _tokenizer_for(path: Path, meta: dict, spec: str | None) -> Tokenizer:
 
 def _read_checkpoint(model: Transformer, path: Path) -> None:
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # DCP warns that no process group exists: one is not needed
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with single_process_quiet():
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as exc:  # DCP raises many kinds; all mean this checkpoint is unusable
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        except SAVE_OR_LOAD_ERRORS as exc:  # DCP raises many kinds; all mean unusable
             raise CheckpointError(
-                f"checkpoint {path} cannot be read ({first}); give another"
+                f"checkpoint {path} cannot be read ({describe(exc)}); give another"
             ) from exc
     model.load_state_dict(state["model"])
 

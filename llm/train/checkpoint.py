@@ -58,7 +58,7 @@ from llm.train.checkpoint_files import (
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
+def single_process_quiet():
     """DCP warns on every save and load of one process without a process group, a mode it
     supports; the filter holds for those calls only."""
     with warnings.catch_warnings():
@@ -116,7 +116,7 @@ class Checkpointer:
         barrier()
         error, records = None, {}
         try:
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.save(
                     state,
                     storage_writer=BoundedFileWriter(tmp, self.file_bytes),
@@ -280,7 +280,7 @@ class Checkpointer:
             )
         state = strategy.state_dict()  # the target layout; DCP fills it in place
         try:
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.load(state, checkpoint_id=str(path), planner=FlatShardLoadPlanner())
         except SAVE_OR_LOAD_ERRORS as exc:  # DCP raises many kinds; all mean unusable
             raise CheckpointError(self._unusable(path, describe(exc))) from exc
