@@ -210,3 +210,23 @@ def test_readme_generate_commands_run(bpe_run, tmp_path, monkeypatch):
         result = run(cfg.generate, out)
         assert json.loads((out / "generate.json").read_text())["tokens"] == result["tokens"]
         assert all(1 <= len(t) <= 4 for t in result["tokens"]), shlex.join(args)
+
+
+def test_a_full_disk_saving_the_tokenizer_is_one_line(bpe_run, tmp_path, monkeypatch):
+    import errno
+
+    from llm.data import load_tokenizer, save_tokenizer
+    from llm.errors import DiskFullError
+
+    tokenizer = load_tokenizer(str(bpe_run / TOKENIZER_FILE))
+    save_tokenizer(tokenizer, tmp_path / "ok")
+    assert load_tokenizer(str(tmp_path / "ok" / TOKENIZER_FILE)).digest == tokenizer.digest
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(DiskFullError) as err:
+        save_tokenizer(tokenizer, tmp_path / "full")
+    assert "no space left" in str(err.value) and "\n" not in str(err.value)
+    assert not list((tmp_path / "full").iterdir())  # no partial file left behind

@@ -20,7 +20,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm.config import DataConfig
 from llm.data.corpora import Corpus, cache_root
-from llm.errors import ConfigError, DataError
+from llm.disk import no_space_message, says_no_space
+from llm.errors import ConfigError, DataError, DiskFullError
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +208,15 @@ def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{TOKENIZER_FILE}.{os.getpid()}.tmp"
-    tokenizer.backend.save(str(tmp))
-    os.replace(tmp, folder / TOKENIZER_FILE)
+    try:
+        # Written by Python, not the Rust writer, so a full disk is an OSError with its errno.
+        tmp.write_text(tokenizer.backend.to_str(pretty=True))
+        os.replace(tmp, folder / TOKENIZER_FILE)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if says_no_space(exc):
+            raise DiskFullError(no_space_message(folder, "the run's tokenizer")) from None
+        raise
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
