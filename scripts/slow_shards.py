@@ -64,6 +64,7 @@ SHARDS = {
         "tests/test_recompute.py",
         "tests/test_activation_formula.py",
         "tests/test_paged_attention.py",
+        "tests/test_gpu_pass.py",
     ],
 }
 

@@ -37,6 +37,9 @@ def _blocked_packages(root: Path) -> Path:
     return root
 
 
+# About a minute (every section's process, nine of them): the slow suite keeps the fast one
+# under 15 minutes; the runner's own tests below stay fast.
+@pytest.mark.slow
 def test_dry_run_runs_every_section_without_the_packages_a_gpu_image_lacks(tmp_path):
     """`make gpu-pass DRY=1`: every section's code path on CPU, each ok with rows, while
     wandb, datasets, deepspeed and bitsandbytes cannot be imported."""
