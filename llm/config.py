@@ -341,6 +341,10 @@ class PrecisionConfig:
     # where the real kernels cannot run (no fp8 tensor cores or no torchao) and for deepseek,
     # which has no fp8 kernel of ours yet; false refuses to emulate.
     fp8_emulate: bool | None = None
+    # Every k-th step, each fp8 linear records its operands' quantisation error and
+    # saturation (llm.precision.fp8.record_fp8_stats) into summary.json's fp8_stats; 0: never.
+    # Our fp8 linears only: torchao's Float8Linear records nothing.
+    fp8_stats_every: int = 0
 
     def __post_init__(self) -> None:
         _require_choice(
@@ -364,6 +368,10 @@ class PrecisionConfig:
             min_scale=self.min_scale,
             max_overflows_at_min_scale=self.max_overflows_at_min_scale,
         )
+        if self.fp8_stats_every < 0:
+            raise ConfigError(
+                f"precision.fp8_stats_every={self.fp8_stats_every} must be >= 0 (0: never)"
+            )
         if self.static_loss_scale < 0:
             raise ConfigError(
                 f"precision.static_loss_scale={self.static_loss_scale} must be >= 0 (0: dynamic)"

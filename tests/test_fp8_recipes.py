@@ -24,6 +24,7 @@ from llm.precision.fp8 import (
     TORCHAO_POW2_RULE,
     TORCHAO_RULE,
     Fp8Linear,
+    Fp8Stats,
     convert_to_fp8,
     overflow_threshold,
     quantize_blocks,
@@ -33,6 +34,7 @@ from llm.precision.fp8 import (
     quantize_with_factor,
     record_fp8_stats,
 )
+from llm.precision.fp8.linear import plain_name
 
 # d_model, n_kv_heads * head_dim and d_ff multiples of 128, as deepseek's tiles need.
 ARGS = dict(d_model=128, n_heads=4, n_kv_heads=4, d_ff=384)
@@ -368,3 +370,24 @@ def test_each_recipe_trains_like_fp32():
         assert losses[-1] < 0.7 * losses[0], recipe
         for ours, theirs in zip(losses, reference, strict=True):
             assert abs(ours - theirs) < 0.03 * theirs, (recipe, losses, reference)
+
+
+def test_stats_add_up_per_layer_and_count_underflow():
+    """A value below the smallest e4m3 code at its tile's scale is cast to zero: counted as
+    underflowed (nonzero in, zero out); a second recording adds to the same layer's row."""
+    model = nn.Sequential(Fp8Linear(128, 128, bias=False, recipe="deepseek"))
+    x = torch.zeros(1, 128)
+    x[0, :3] = torch.tensor([448.0, 1e-6, 0.25])  # scale 1: 1e-6 is under 2^-10, 0.25 a code
+    stats = Fp8Stats()
+    for _ in range(2):
+        with torch.no_grad(), record_fp8_stats(model, stats):
+            model(x)
+    row = stats.by_layer()["0"]["input"]
+    assert (row["calls"], row["underflowed"], row["saturated"]) == (2, 2, 0)
+    assert row["underflowed_fraction"] == 2 / 256
+    assert stats.summary()["input"]["underflowed"] == 2  # the same, over layers
+
+
+def test_layer_names_leave_wrappers_out():
+    name = "module._orig_mod.layers.0._checkpoint_wrapped_module.attention.wq"
+    assert plain_name(name) == "layers.0.attention.wq"

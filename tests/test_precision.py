@@ -122,15 +122,40 @@ def test_fp8_recipes_train_end_to_end_in_emulation(
     tmp_path, text_corpus, cache_dir, fp32_reference, recipe
 ):
     """Each recipe trains on CPU, emulated, and the summary says so; fp32 from the same seed
-    and data is the yardstick (a few steps of a tiny llama: within 5% at the end)."""
+    and data is the yardstick (a few steps of a tiny llama: within 5% at the end). Every
+    second step records each linear's quantisation error into the summary."""
     summary, _ = run(
         tmp_path, recipe, text_corpus, cache_dir, *FP8_SHAPE, "precision=fp8",
-        f"precision.fp8_recipe={recipe}",
+        f"precision.fp8_recipe={recipe}", "precision.fp8_stats_every=2",
     )  # fmt: skip
     assert summary["fp8_recipe"] == recipe and summary["fp8_emulated"] is True
     ref = fp32_reference["final_train_loss"]
     assert summary["final_train_loss"] == pytest.approx(ref, rel=0.05)
     assert summary["final_train_loss"] != ref  # it did quantise
+    stats = summary["fp8_stats"]
+    linears = {f"{p}.{w}" for p, ws in LINEARS.items() for w in ws}
+    assert set(stats) == {f"layers.{i}.{name}" for i in range(2) for name in linears}
+    # deepseek's grad_input reuses the forward's weight blocks: no weight_t cast.
+    operands = {"input", "weight", "grad_output", "grad_output_t", "input_t"}
+    operands |= set() if recipe == "deepseek" else {"weight_t"}
+    recorded = summary["steps"] // 2
+    for layer in stats.values():
+        assert set(layer) == operands
+        for row in layer.values():
+            assert row["calls"] == recorded and 0 < row["mean_rel_error"] < 0.1
+            assert row["saturated"] == 0  # each scale from its own group's amax
+
+
+LINEARS = {"attention": ("wq", "wk", "wv", "wo"), "feed_forward": ("w1", "w2", "w3")}
+
+
+def test_fp8_stats_are_noted_absent_where_no_linear_of_ours_runs(tmp_path, text_corpus, cache_dir):
+    summary, _ = run(
+        tmp_path, "bf16", text_corpus, cache_dir, "precision=bf16", "precision.fp8_stats_every=1",
+        "train.max_steps=2",
+    )  # fmt: skip
+    assert summary["fp8_stats"] is None
+    assert "precision.fp8_stats_every" in summary["fp8_stats_note"]
 
 
 def test_deepseek_refuses_a_shape_off_its_blocks_before_any_rank_starts(tmp_path):

@@ -30,6 +30,7 @@ from llm.parallel.tensor_parallel import local_loss
 from llm.recompute import RecomputePolicy
 from llm.recompute.policies import NoRecompute
 from llm.train.checkpoint import Checkpointer
+from llm.train.fp8_watch import Fp8Watch
 from llm.train.metrics import StepTimer, mfu
 from llm.train.moe_stats import MoEStats
 from llm.train.monitor import Monitor
@@ -157,6 +158,7 @@ class Trainer:
         # Bytes kept for backward by the first micro-batch of the last logged step.
         self.activations: dict = {}
         self.moe = MoEStats(model, cfg.train.grad_accum_steps)
+        self.fp8 = Fp8Watch(model, cfg.precision.fp8_stats_every)
 
     # ---- checkpoint state -------------------------------------------------------------
     def trainer_state(self) -> dict:
@@ -247,7 +249,8 @@ class Trainer:
         with self.tracker.step(self.tracker.tracks(logged=self._logs_at(step))):
             if (extra := self.strategy.gradient_pass(step)) is not None:
                 self._gradient_pass(extra, batches, scale, counts[0], step)
-            loss_sum, result = self._step_on(batches, scale, count=self._logs_at(step))
+            with self.fp8.recording(step):
+                loss_sum, result = self._step_on(batches, scale, count=self._logs_at(step))
             if self._logs_at(step):
                 # Sampled while gradients exist: what a rank holds at its peak of model state.
                 self.model_state_bytes = self.strategy.memory()
@@ -553,6 +556,7 @@ class Trainer:
             **self.activations,
             "model_state_bytes": self.model_state_bytes,
             **self._comm_summary(steps),
+            **self.fp8.summary(),
         }
 
     def _comm_summary(self, steps: int) -> dict:

@@ -41,7 +41,7 @@ from llm.precision.fp8.scaling import (
     quantize_tensorwise,
     quantize_tiles,
 )
-from llm.precision.fp8.stats import Fp8Stats
+from llm.precision.fp8.stats import Fp8Stats, LayerStats
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class _Fp8Matmul(torch.autograd.Function):
     """x (M, K) @ weight (N, K)^T -> (M, N) fp32, each of the three GEMMs on fp8 operands."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, recipe: Fp8Recipe, stats: Fp8Stats | None):
+    def forward(ctx, x: Tensor, weight: Tensor, recipe: Fp8Recipe, stats: LayerStats | None):
         xq = recipe.cast(x, recipe.activations, dim=1)
         wq = recipe.cast(weight, recipe.weights, dim=1)
         if stats is not None:
@@ -130,7 +130,7 @@ class _Fp8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def _weight_for_grad_input(recipe: Fp8Recipe, stats: Fp8Stats | None, weight: Tensor) -> Tensor:
+def _weight_for_grad_input(recipe: Fp8Recipe, stats: LayerStats | None, weight: Tensor) -> Tensor:
     """The weight (N, K) dequantised as grad_input's operand: its scales along N."""
     q = recipe.cast(weight, recipe.weights, dim=0)
     if stats is not None:
@@ -139,7 +139,7 @@ def _weight_for_grad_input(recipe: Fp8Recipe, stats: Fp8Stats | None, weight: Te
 
 
 def _token_operand(
-    recipe: Fp8Recipe, stats: Fp8Stats | None, operand: str, t: Tensor, dtype: torch.dtype
+    recipe: Fp8Recipe, stats: LayerStats | None, operand: str, t: Tensor, dtype: torch.dtype
 ) -> Tensor:
     """``t`` (M, C) dequantised as grad_weight's operand: scales along the M tokens. 128x1
     tiles need M a multiple of 128; zero rows fill the last tile, which changes neither its
@@ -157,7 +157,7 @@ class Fp8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run on fp8 operands per ``recipe`` (emulated in fp32).
     Parameters, their names and dtypes are nn.Linear's; the output is in the input's dtype
     (the autocast dtype under autocast), with the bias added in fp32. ``stats``: None, or an
-    :class:`Fp8Stats` that every GEMM records into (see :func:`record_fp8_stats`)."""
+    :class:`LayerStats` that every GEMM records into (see :func:`record_fp8_stats`)."""
 
     def __init__(
         self,
@@ -170,7 +170,7 @@ class Fp8Linear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         self.recipe = get_recipe(recipe)
-        self.stats: Fp8Stats | None = None
+        self.stats: LayerStats | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: str) -> Fp8Linear:
@@ -199,15 +199,29 @@ class Fp8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
 
+WRAPPER_PARTS = frozenset(
+    {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+)
+
+
 @contextlib.contextmanager
-def record_fp8_stats(model: nn.Module) -> Iterator[Fp8Stats]:
-    """Every Fp8Linear of ``model`` records into one :class:`Fp8Stats` until the block ends."""
-    stats = Fp8Stats()
-    linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    for m in linears:
-        m.stats = stats
+def record_fp8_stats(model: nn.Module, stats: Fp8Stats | None = None) -> Iterator[Fp8Stats]:
+    """Every Fp8Linear of ``model`` records into one :class:`Fp8Stats` (``stats``, adding to
+    what it holds, or a new one), under its name in ``model`` (wrappers' parts of the name
+    left out), until the block ends."""
+    stats = Fp8Stats() if stats is None else stats
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    for name, m in linears:
+        m.stats = stats.layer(plain_name(name))
     try:
         yield stats
     finally:
-        for m in linears:
+        for _, m in linears:
             m.stats = None
+
+
+def plain_name(name: str) -> str:
+    """A module's name without the parts DDP, torch.compile and activation checkpointing
+    insert: ``module._orig_mod.layers.0._checkpoint_wrapped_module.attn.wq`` ->
+    ``layers.0.attn.wq``."""
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
