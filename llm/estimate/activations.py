@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llm.errors import ConfigError
+from llm.estimate.fp8_terms import fp8_block_terms
 from llm.estimate.tp_terms import replicated_kv_terms, split_terms
 from llm.models import ModelArgs
 from llm.parallel.tensor_parallel import kv_replicated
@@ -152,6 +153,11 @@ def layer_terms(
     terms = _block_terms(
         args, batch, seq, policy, k, backend, sdpa_kernel, device, recompute, training
     )
+    if policy.fp8 and tp > 1:
+        raise ConfigError(
+            "the activation formula models precision=fp8 on one tensor-parallel rank (fp8 "
+            "with tensor parallel is refused by training)"
+        )
     split = split_terms(terms, tp, sequence_parallel, k.sp_saves_gathered_input)
     if tp == 1 or not kv_replicated(args.n_kv_heads, tp):
         return split
@@ -194,6 +200,11 @@ def _block_terms(
     drop = training and args.dropout > 0
     kind = _kernel_kind(backend, sdpa_kernel, device, dt, drop, args)
     if recompute.startswith("op_sac"):
+        if policy.fp8:
+            raise ConfigError(
+                f"the activation formula does not model precision=fp8 with recompute="
+                f"{recompute}; it models none, selective and full"
+            )
         return _op_sac_terms(args, b, s, dt, kind, device, recompute.endswith("every_other_mm"))
     mask = k.dropout_mask_bytes or (BOOL if device == "cuda" else None)
     terms: dict[str, int] = {}
@@ -214,6 +225,10 @@ def _block_terms(
         terms["mlp.dropout_mask"] = b * s * h * (mask or dt.c)
     if dt.autocast and k.weight_copies:
         terms["autocast.weight_copies"] = _block_weight_numel(args) * dt.c
+    if policy.fp8:  # a fused kernel's saved output is wo's input unless recomputed
+        return fp8_block_terms(
+            terms, args, b, s, policy.fp8_recipe, kind in FLASH_LIKE and recompute == "none"
+        )
     return terms
 
 

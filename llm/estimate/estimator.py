@@ -91,13 +91,13 @@ class StageRows:
         return sum(self.device.values())
 
 
-def estimate_policy(name: str, device: str) -> PrecisionPolicy:
+def estimate_policy(name: str, device: str, fp8_recipe: str = "tensorwise") -> PrecisionPolicy:
     """The precision policy ``name`` would resolve to on ``device``, without that device
-    here: the dtypes are what matter (auto is bf16 on CUDA, tf32 and fp8 keep fp32 / bf16
-    tensors)."""
+    here: the dtypes are what matter (auto is bf16 on CUDA, tf32 keeps fp32 tensors), and
+    for fp8 its recipe (what its linears save does not depend on emulation)."""
     if device == "cuda":
-        name = {"auto": "bf16", "tf32": "fp32", "fp8": "bf16"}.get(name, name)
-    return resolve_precision(name, torch.device("cpu"))
+        name = {"auto": "bf16", "tf32": "fp32"}.get(name, name)
+    return resolve_precision(name, torch.device("cpu"), fp8_recipe=fp8_recipe, fp8_emulate=True)
 
 
 def activation_policy(policy: PrecisionPolicy, strategy: str) -> PrecisionPolicy:
@@ -125,7 +125,7 @@ def estimate(cfg: Config, args) -> Estimate:
     check_tensor_parallel(args, par.tp_size, cfg.data.seq_len, par.sequence_parallel)
     # Tensor parallel pads the vocabulary to a multiple of tp, as the run does.
     args = dataclasses.replace(args, vocab_size=padded_vocab(args.vocab_size, par.tp_size))
-    policy = estimate_policy(cfg.precision.name, e.device)
+    policy = estimate_policy(cfg.precision.name, e.device, cfg.precision.fp8_recipe)
     if e.num_params is not None:
         stage = int(par.name[-1]) if par.name.startswith("zero") else par.zero_stage
         states = paper_states(int(e.num_params), world, stage, policy, cfg.optimizer)

@@ -104,7 +104,7 @@ def plan(cfg: Config, args: ModelArgs) -> list[LayoutEstimate]:
     work = Workload(
         args=args,
         seq=cfg.data.seq_len,
-        policy=estimate_policy(cfg.precision.name, cfg.estimate.device),
+        policy=estimate_policy(cfg.precision.name, cfg.estimate.device, cfg.precision.fp8_recipe),
         optimizer=cfg.optimizer,
         backend=cfg.attention.backend,
         device=cfg.estimate.device,

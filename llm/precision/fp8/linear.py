@@ -36,6 +36,7 @@ from llm.precision.fp8.scaling import (
     TORCHAO_RULE,
     Quantized,
     ScaleRule,
+    dequantize,
     quantize_blocks,
     quantize_rowwise,
     quantize_tensorwise,
@@ -102,15 +103,20 @@ class _Fp8Matmul(torch.autograd.Function):
         if stats is not None:
             stats.record("input", x, xq)
             stats.record("weight", weight, wq)
-        x_hat, w_hat = xq.dequantize(), wq.dequantize()
-        ctx.save_for_backward(*((x_hat, w_hat) if recipe.from_fp8_copies else (x, weight)))
+        if recipe.from_fp8_copies:
+            # The fp8 codes and their fp32 scales are what backward keeps: 1 + 4/128 bytes an
+            # element instead of the 16-bit input's 2 (and a 1-byte copy of the weight).
+            ctx.save_for_backward(xq.data, xq.factor, wq.data, wq.factor)
+            ctx.groups = (xq.group, wq.group)
+        else:
+            ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.stats, ctx.dtypes = recipe, stats, (x.dtype, weight.dtype)
-        return x_hat @ w_hat.t()
+        return xq.dequantize() @ wq.dequantize().t()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         recipe, stats = ctx.recipe, ctx.stats
-        x_saved, w_saved = ctx.saved_tensors
+        x_saved, w_saved = _saved_operands(ctx)
         grad_out = grad_out.float()  # (M, N)
         grad_x = grad_w = None
         with torch.autocast(grad_out.device.type, enabled=False):
@@ -128,6 +134,16 @@ class _Fp8Matmul(torch.autograd.Function):
                 x_t = _token_operand(recipe, stats, "input_t", x_saved, E4M3)
                 grad_w = (g_t.t() @ x_t).to(ctx.dtypes[1])
         return grad_x, grad_w, None, None
+
+
+def _saved_operands(ctx) -> tuple[Tensor, Tensor]:
+    """The forward's input and weight: as they came, or (DeepSeek) their fp8 copies
+    dequantised, the values the forward GEMM multiplied."""
+    if not ctx.recipe.from_fp8_copies:
+        return ctx.saved_tensors
+    x_data, x_factor, w_data, w_factor = ctx.saved_tensors
+    rule, (x_group, w_group) = ctx.recipe.rule, ctx.groups
+    return dequantize(x_data, x_factor, x_group, rule), dequantize(w_data, w_factor, w_group, rule)
 
 
 def _weight_for_grad_input(recipe: Fp8Recipe, stats: LayerStats | None, weight: Tensor) -> Tensor:

@@ -65,11 +65,15 @@ class Quantized:
         return self.factor.reciprocal() if self.rule.reciprocal else self.factor
 
     def dequantize(self) -> Tensor:
-        """fp32 values the codes stand for, in the source's shape, as the source computes them."""
-        codes = _grouped(self.data.float(), self.group)
-        factor = self.factor.reshape(_factor_view(tuple(self.factor.shape)))
-        values = codes / factor if self.rule.reciprocal else codes * factor
-        return values.reshape(self.data.shape)
+        return dequantize(self.data, self.factor, self.group, self.rule)
+
+
+def dequantize(data: Tensor, factor: Tensor, group: tuple[int, ...], rule: ScaleRule) -> Tensor:
+    """fp32 values the codes ``data`` stand for, in its shape, as the source computes them."""
+    codes = _grouped(data.float(), group)
+    factor = factor.reshape(_factor_view(tuple(factor.shape)))
+    values = codes / factor if rule.reciprocal else codes * factor
+    return values.reshape(data.shape)
 
 
 def overflow_threshold(dtype: torch.dtype) -> float:
