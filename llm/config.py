@@ -338,8 +338,8 @@ class PrecisionConfig:
     # (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks, e4m3 throughout).
     fp8_recipe: str = "tensorwise"
     # Quantise and dequantise in fp32 (the recipe's rounding, not its speed): null picks it
-    # where the real kernels cannot run (no fp8 tensor cores or no torchao) and for deepseek,
-    # which has no fp8 kernel of ours yet; false refuses to emulate.
+    # where the real kernels cannot run (no fp8 tensor cores; torchao missing for tensorwise
+    # and rowwise, triton for deepseek's GEMM of ours); false refuses to emulate.
     fp8_emulate: bool | None = None
     # Every k-th step, each fp8 linear records its operands' quantisation error and
     # saturation (llm.precision.fp8.record_fp8_stats) into summary.json's fp8_stats; 0: never.

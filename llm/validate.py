@@ -104,7 +104,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         freeze(build_model(args), cfg.model.freeze)  # on the meta device: names only
     device = resolve_device(cfg)
     precision = precision_for(cfg, device)
-    if precision.fp8_emulated and cfg.model.init_from is None:
+    if precision.fp8 and precision.fp8_recipe == "deepseek" and cfg.model.init_from is None:
         # deepseek's 128x128 blocks refuse a shape here, before any rank starts (meta: free).
         convert_to_fp8(build_model(args), precision.fp8_recipe)
 

@@ -28,6 +28,7 @@ from llm.precision import (
     fp8_kernels_problem,
     resolve_precision,
 )
+from llm.precision.policy import fp8_emulation
 from llm.validate import validate
 
 CPU = torch.device("cpu")
@@ -81,8 +82,21 @@ def test_fp8_on_cpu_is_emulated_unless_refused():
     with pytest.raises(ConfigError, match="precision=fp8 needs an NVIDIA GPU") as err:
         resolve_precision("fp8", CPU, fp8_emulate=False)
     assert "precision.fp8_emulate=true" in str(err.value)
-    with pytest.raises(ConfigError, match="deepseek runs emulated only"):
+    with pytest.raises(ConfigError, match="precision=fp8 needs an NVIDIA GPU"):
         resolve_precision("fp8", CPU, fp8_recipe="deepseek", fp8_emulate=False)
+
+
+def test_deepseek_runs_our_triton_gemm_where_it_can_and_needs_no_torchao(monkeypatch):
+    """On an sm90 GPU without torchao, deepseek still has its kernel (ours); the missing
+    package the kernel needs is named, as torchao's is for the other recipes."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    cuda = torch.device("cuda")
+    assert fp8_kernels_problem(cuda, "deepseek") is None
+    assert fp8_emulation(cuda, "deepseek", None) is False
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    assert "needs the triton package" in fp8_kernels_problem(cuda, "deepseek")
+    assert fp8_emulation(cuda, "deepseek", None) is True
 
 
 def test_fp8_without_torchao_names_the_install(monkeypatch):
@@ -388,14 +402,18 @@ def test_apply_fp8_converts_block_linears_only():
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="needs a GPU with fp8 tensor cores (sm89+)",
 )
-def test_fp8_trains_on_gpu(tmp_path, text_corpus, cache_dir):
-    pytest.importorskip("torchao.float8")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "deepseek"])
+def test_fp8_trains_on_gpu(tmp_path, text_corpus, cache_dir, recipe):
+    """Each recipe on its real kernels: torchao's Float8Linear, or our Triton GEMM."""
+    pytest.importorskip("triton" if recipe == "deepseek" else "torchao.float8")
     out = tmp_path / "fp8"
     overrides = small_run_overrides(
-        out, text_corpus, cache_dir, "precision=fp8", f"train.max_steps={STEPS}"
-    )
+        out, text_corpus, cache_dir, *FP8_SHAPE, "precision=fp8", f"train.max_steps={STEPS}",
+        f"precision.fp8_recipe={recipe}", "precision.fp8_emulate=false",
+    )  # fmt: skip
     summary = launch(compose_config([o for o in overrides if o != "train.device=cpu"]))
     assert summary["precision"] == "fp8" and summary["device"] == "cuda"
+    assert summary["fp8_recipe"] == recipe and summary["fp8_emulated"] is False
     losses = train_losses(out)
     assert all(math.isfinite(v) for v in losses.values())
     assert losses[STEPS] < losses[1] - 1.0

@@ -144,27 +144,26 @@ def _named_policy(
 
 
 def fp8_emulation(device: torch.device, recipe: str, emulate: bool | None) -> bool:
-    """Whether fp8 runs emulated: as asked, else where the real kernels cannot run. deepseek
-    has no fp8 kernel of ours yet, so it always is; refused in one line where the real
-    kernels are asked for and cannot run."""
-    if recipe == "deepseek":
-        if emulate is False:
-            raise ConfigError(
-                "precision.fp8_recipe=deepseek runs emulated only (no block-scaled fp8 GEMM of "
-                "ours yet); drop precision.fp8_emulate=false"
-            )
-        return True
+    """Whether fp8 runs emulated: as asked, else where the real kernels cannot run (torchao's
+    for tensorwise and rowwise, our Triton GEMM for deepseek); refused in one line where the
+    real kernels are asked for and cannot run."""
+    problem = fp8_kernels_problem(device, recipe)
     if emulate is None:
-        return fp8_kernels_problem(device) is not None
-    if not emulate and (problem := fp8_kernels_problem(device)):
+        return problem is not None
+    if not emulate and problem:
         raise ConfigError(f"{problem}, or set precision.fp8_emulate=true to emulate it")
     return emulate
 
 
-def fp8_kernels_problem(device: torch.device) -> str | None:
-    """Why torchao's float8 training cannot run here, or None."""
+def fp8_kernels_problem(device: torch.device, recipe: str = "tensorwise") -> str | None:
+    """Why the recipe's real kernels cannot run here, or None: torchao's float8 training,
+    or for deepseek our Triton GEMM (llm/precision/fp8/triton_gemm.py)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         return "precision=fp8 needs an NVIDIA GPU with fp8 tensor cores (sm89+, e.g. H100)"
+    if recipe == "deepseek":
+        from llm.precision.fp8.triton_gemm import fp8_gemm_unavailable
+
+        return fp8_gemm_unavailable(device)
     # find_spec, not import: torchao's import loads CUDA extensions, slow and noisy.
     if importlib.util.find_spec("torchao") is None:
         return "precision=fp8 needs torchao for float8 training (pip install torchao)"
@@ -188,10 +187,11 @@ def apply_fp8(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
     """
     if not policy.fp8:
         return model
-    if policy.fp8_emulated:
+    if policy.fp8_emulated or policy.fp8_recipe == "deepseek":
         from llm.precision.fp8 import convert_to_fp8
 
-        return convert_to_fp8(model, policy.fp8_recipe)
+        kernel = not policy.fp8_emulated  # deepseek on our Triton GEMM
+        return convert_to_fp8(model, policy.fp8_recipe, kernel)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(policy.fp8_recipe)

@@ -21,11 +21,12 @@ FP8_LINEAR_NAMES = frozenset({"wq", "wk", "wv", "wo", "w1", "w2", "w3"})
 TENSOR_CORE_MULTIPLE = 16
 
 
-def convert_to_fp8(model: nn.Module, recipe: str) -> nn.Module:
+def convert_to_fp8(model: nn.Module, recipe: str, kernel: bool = False) -> nn.Module:
     """``model`` with each nn.Linear named wq, wk, wv, wo, w1, w2 or w3 replaced in place by an
     Fp8Linear of ``recipe`` (tensorwise | rowwise | deepseek) holding the same Parameter
     objects: state_dict keys, parameter identities and optimizer groups are unchanged. Works
-    on the meta device, before weights exist.
+    on the meta device, before weights exist. ``kernel``: deepseek's GEMMs on our Triton
+    kernel instead of emulated.
 
     deepseek refuses a linear whose in/out features are not multiples of 128 (its tiles and
     blocks). tensorwise and rowwise leave such linears of dimensions not multiples of 16 in
@@ -47,7 +48,7 @@ def convert_to_fp8(model: nn.Module, recipe: str) -> nn.Module:
             out_features % TENSOR_CORE_MULTIPLE or in_features % TENSOR_CORE_MULTIPLE
         ):
             continue
-        setattr(parent, name, Fp8Linear.from_linear(child, recipe))
+        setattr(parent, name, Fp8Linear.from_linear(child, recipe, kernel))
     return model
 
 

@@ -1,5 +1,7 @@
-"""An nn.Linear whose three GEMMs take fp8 operands cast per recipe, emulated: each operand is
-quantised with the recipe's scales, dequantised to fp32, and multiplied in fp32.
+"""An nn.Linear whose three GEMMs take fp8 operands cast per recipe. Emulated: each operand
+is quantised with the recipe's scales, dequantised to fp32, and multiplied in fp32. With
+``kernel`` (deepseek): the same codes and scales go to our Triton GEMM (triton_gemm.py),
+which multiplies fp8 codes on tensor cores and promotes every 128-wide chunk of K to fp32.
 
     output      (M, N) = input (M, K) @ weight (N, K)^T           reduces over K = in_features
     grad_input  (M, K) = grad_output (M, N) @ weight (N, K)       reduces over N = out_features
@@ -8,10 +10,11 @@ quantised with the recipe's scales, dequantised to fp32, and multiplied in fp32.
 Every scale is taken along the reduction dimension of the GEMM its operand enters, so it
 factors out of each dot product (DeepSeek-V3 §3.3.2: "per-group scaling factors along the
 inner dimension"). The codes and scales are the recipe's to the bit (scaling.py); the GEMM
-differs from the hardware's only by fp32 rounding. DeepSeek's kernels multiply fp8 codes on
-tensor cores whose accumulator keeps about 14 bits, so they promote the partial sum of each
-128 elements of K to fp32 registers, scaled there (§3.3.2, N_C = 128). Here every product
-and every sum is fp32 already, which is what that promotion buys; summing 128-wide chunks
+differs from the hardware's only by fp32 rounding. DeepSeek's kernels (and ours) multiply
+fp8 codes on tensor cores whose accumulator keeps about 14 bits, so they promote the partial
+sum of each 128 elements of K to fp32 registers, scaled there (§3.3.2, N_C = 128). In the
+emulation every product and every sum is fp32 already, which is what that promotion buys;
+summing 128-wide chunks
 explicitly would only reorder fp32 additions (a difference near 2^-24 relative, against the
 2^-4 of an e4m3 code), so one fp32 matmul stands for it.
 """
@@ -43,6 +46,7 @@ from llm.precision.fp8.scaling import (
     quantize_tiles,
 )
 from llm.precision.fp8.stats import Fp8Stats, LayerStats
+from llm.precision.fp8.triton_gemm import fp8_blockwise_mm
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,19 @@ def get_recipe(name: str) -> Fp8Recipe:
 
 
 class _Fp8Matmul(torch.autograd.Function):
-    """x (M, K) @ weight (N, K)^T -> (M, N) fp32, each of the three GEMMs on fp8 operands."""
+    """x (M, K) @ weight (N, K)^T -> (M, N) fp32, each of the three GEMMs on fp8 operands:
+    emulated, or (``kernel``, deepseek only) the codes and scales multiplied by our Triton
+    GEMM (triton_gemm.py)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, recipe: Fp8Recipe, stats: LayerStats | None):
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor,
+        recipe: Fp8Recipe,
+        stats: LayerStats | None,
+        kernel: bool,
+    ):
         xq = recipe.cast(x, recipe.activations, dim=1)
         wq = recipe.cast(weight, recipe.weights, dim=1)
         if stats is not None:
@@ -111,13 +124,18 @@ class _Fp8Matmul(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.stats, ctx.dtypes = recipe, stats, (x.dtype, weight.dtype)
+        ctx.kernel = kernel
+        if kernel:
+            return fp8_blockwise_mm(xq.data, xq.scale, wq.data, wq.scale, b_blocks=True)
         return xq.dequantize() @ wq.dequantize().t()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         recipe, stats = ctx.recipe, ctx.stats
-        x_saved, w_saved = _saved_operands(ctx)
         grad_out = grad_out.float()  # (M, N)
+        if ctx.kernel:
+            return (*_kernel_backward(ctx, grad_out), None, None, None)
+        x_saved, w_saved = _saved_operands(ctx)
         grad_x = grad_w = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
@@ -133,7 +151,30 @@ class _Fp8Matmul(torch.autograd.Function):
                 g_t = _token_operand(recipe, stats, "grad_output_t", grad_out, recipe.grad_dtype)
                 x_t = _token_operand(recipe, stats, "input_t", x_saved, E4M3)
                 grad_w = (g_t.t() @ x_t).to(ctx.dtypes[1])
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
+
+
+def _kernel_backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """DeepSeek's backward GEMMs on the Triton kernel, from the forward's fp8 copies: the
+    weight's 128x128 blocks as they are (transposed views) for grad_input; the input's 1x128
+    tiles dequantised and requantised along the tokens for grad_weight."""
+    recipe, stats = ctx.recipe, ctx.stats
+    x_data, x_factor, w_data, w_factor = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        gq = recipe.cast(grad_out, recipe.activations, dim=1, dtype=recipe.grad_dtype)
+        if stats is not None:
+            stats.record("grad_output", grad_out, gq)
+        grad_x = fp8_blockwise_mm(gq.data, gq.scale, w_data.t(), w_factor.t(), b_blocks=True)
+        grad_x = grad_x.to(ctx.dtypes[0])
+    if ctx.needs_input_grad[1]:
+        x_hat = dequantize(x_data, x_factor, ctx.groups[0], recipe.rule)
+        g_t = _token_quantized(recipe, stats, "grad_output_t", grad_out, E4M3)
+        x_t = _token_quantized(recipe, stats, "input_t", x_hat, E4M3)
+        grad_w = fp8_blockwise_mm(
+            g_t.data.t(), g_t.scale.t(), x_t.data.t(), x_t.scale.t(), b_blocks=False
+        ).to(ctx.dtypes[1])
+    return grad_x, grad_w
 
 
 def _saved_operands(ctx) -> tuple[Tensor, Tensor]:
@@ -160,20 +201,28 @@ def _token_operand(
     """``t`` (M, C) dequantised as grad_weight's operand: scales along the M tokens. 128x1
     tiles need M a multiple of 128; zero rows fill the last tile, which changes neither its
     amax nor any product (as a masked kernel tile would), and are cut off again."""
-    m = t.size(0)
-    pad = -m % TILE if recipe.activations == "tile" else 0
+    return _token_quantized(recipe, stats, operand, t, dtype).dequantize()[: t.size(0)]
+
+
+def _token_quantized(
+    recipe: Fp8Recipe, stats: LayerStats | None, operand: str, t: Tensor, dtype: torch.dtype
+) -> Quantized:
+    """``t`` (M, C) cast with its scales along the M tokens, zero rows padding M to the tile
+    (see :func:`_token_operand`)."""
+    pad = -t.size(0) % TILE if recipe.activations == "tile" else 0
     padded = F.pad(t, (0, 0, 0, pad)) if pad else t
     q = recipe.cast(padded, recipe.activations, dim=0, dtype=dtype)
     if stats is not None:
         stats.record(operand, padded, q)
-    return q.dequantize()[:m]
+    return q
 
 
 class Fp8Linear(nn.Linear):
-    """nn.Linear whose three GEMMs run on fp8 operands per ``recipe`` (emulated in fp32).
-    Parameters, their names and dtypes are nn.Linear's; the output is in the input's dtype
-    (the autocast dtype under autocast), with the bias added in fp32. ``stats``: None, or an
-    :class:`LayerStats` that every GEMM records into (see :func:`record_fp8_stats`)."""
+    """nn.Linear whose three GEMMs run on fp8 operands per ``recipe``: emulated in fp32, or
+    with ``kernel`` (deepseek only) on our Triton GEMM, which needs a GPU with fp8 tensor
+    cores. Parameters, their names and dtypes are nn.Linear's; the output is in the input's
+    dtype (the autocast dtype under autocast), with the bias added in fp32. ``stats``: None,
+    or a :class:`LayerStats` that every GEMM records into (see :func:`record_fp8_stats`)."""
 
     def __init__(
         self,
@@ -183,15 +232,24 @@ class Fp8Linear(nn.Linear):
         recipe: str = "deepseek",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kernel: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         self.recipe = get_recipe(recipe)
+        if kernel and not self.recipe.from_fp8_copies:
+            raise ConfigError(
+                f"our fp8 Triton GEMM serves the deepseek recipe, not {recipe} (torchao's "
+                "Float8Linear runs tensorwise and rowwise on a GPU)"
+            )
+        self.kernel = kernel
         self.stats: LayerStats | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: str) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Linear, recipe: str, kernel: bool = False) -> Fp8Linear:
         """An Fp8Linear holding ``linear``'s own Parameter objects (no copy, no allocation)."""
-        new = cls(linear.in_features, linear.out_features, False, recipe, device="meta")
+        new = cls(
+            linear.in_features, linear.out_features, False, recipe, device="meta", kernel=kernel
+        )
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
@@ -205,14 +263,15 @@ class Fp8Linear(nn.Linear):
             x = x.to(torch.get_autocast_dtype(device))
         with torch.autocast(device, enabled=False):
             out = _Fp8Matmul.apply(
-                x.reshape(-1, self.in_features), self.weight, self.recipe, self.stats
+                x.reshape(-1, self.in_features), self.weight, self.recipe, self.stats, self.kernel
             )
             if self.bias is not None:
                 out = out + self.bias.float()
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}"
+        gemm = "triton" if self.kernel else "emulated"
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, gemm={gemm}"
 
 
 WRAPPER_PARTS = frozenset(
