@@ -34,6 +34,7 @@ EXPERIMENTS = (
     "moe",
     "quantization",
     "kv_cache",
+    "fp8",
 )
 
 

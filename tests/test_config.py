@@ -61,6 +61,12 @@ def test_every_option_composes(group, option, tmp_path):
     if group == "parallelism" and option.startswith("deepspeed") and option[-1].isdigit():
         # deepspeed1-3: DeepSpeed's engine at one stage, one option per stage for sweeps.
         assert (cfg.parallelism.name, cfg.parallelism.zero_stage) == ("deepspeed", int(option[-1]))
+    elif group == "precision" and option.startswith("fp8_"):
+        # fp8_<recipe>: precision=fp8 with that recipe, one choice for sweeps.
+        assert (cfg.precision.name, cfg.precision.fp8_recipe) == (
+            "fp8",
+            option.removeprefix("fp8_"),
+        )
     elif group in ("precision", "optimizer", "scheduler", "data", "recompute", "parallelism"):
         assert getattr(cfg, group).name == option
     if group == "precision" and option == "tf32" and not torch.cuda.is_available():

@@ -1148,3 +1148,114 @@ def test_kv_cache_report_verdicts(tmp_path):
     write_report(sweep, log_wandb=False)
     assert (sweep / "kv_cache_loss.png").stat().st_size > 0
     assert (sweep / "kv_cache_paging.png").stat().st_size > 0
+
+
+def _fp8_stats(error, saturated=0, underflowed=0, blocks=(0, 1)):
+    """summary.json's fp8_stats: two linears per block, every operand of each kind with
+    the kind's mean error (error: {kind: value}), the gradients' saturated and underflowed
+    counts (of 10^4 elements)."""
+    kinds = {"input": "activation", "input_t": "activation", "weight": "weight"}
+    kinds |= {"weight_t": "weight", "grad_output": "gradient", "grad_output_t": "gradient"}
+
+    def row(kind):
+        sat, under = (saturated, underflowed) if kind == "gradient" else (0, 0)
+        return {
+            "kind": kind, "calls": 4.0, "mean_rel_error": error[kind],
+            "max_rel_error": 2 * error[kind], "saturated": float(sat),
+            "saturated_fraction": sat / 1e4, "underflowed": float(under),
+            "underflowed_fraction": under / 1e4,
+        }  # fmt: skip
+
+    return {
+        f"layers.{b}.{name}": {op: row(kind) for op, kind in kinds.items()}
+        for b in blocks
+        for name in ("attn.wq", "mlp.w2")
+    }
+
+
+def test_fp8_report_verdicts(tmp_path):
+    """Each verdict both ways: the loss within 0.25% of bf16 or not, within the next seed's
+    difference or not; finer scales erring less than tensorwise or not; no saturation or
+    some; activation bytes equal to the formula or not. Step time: emulated on a CPU, not
+    comparable."""
+    sweep = _sweep(tmp_path, "fp8")
+    s, b = 64, 2
+    model = {"name": "llama-tiny", "d_model": 128, "n_kv_heads": 4, "d_ff": 384}
+    args = model_args("llama-tiny", d_model=128, n_kv_heads=4, d_ff=384)
+
+    def run(name, recipe, loss_factor, val, error=None, saturated=0, bytes_off=0, seed=0):
+        """A job of the sweep; its gradients underflow as often as they saturate."""
+        prec = {"name": name, "fp8_recipe": recipe or "tensorwise", "fp8_stats_every": 4}
+        config = {
+            "precision": prec, "model": model, "scheduler": {"warmup_steps": 2},
+            "train": {"seed": seed, "micro_batch_size": b}, "data": {"seq_len": s},
+        }  # fmt: skip
+        policy = resolve_precision(name, torch.device("cpu"), fp8_recipe=prec["fp8_recipe"])
+        per_layer = sum(layer_terms(args, b, s, policy).values()) + bytes_off
+        summary = {
+            "device": "cpu", "final_val_loss": val, "fp8_emulated": recipe is not None,
+            "activation_bytes_per_layer": [per_layer, per_layer],
+            "fp8_stats": None if error is None else _fp8_stats(error, saturated, saturated),
+        }  # fmt: skip
+        metrics = [
+            {"step": i, "loss": (5.0 - i / 10) * loss_factor, "step_time_s": 0.1}
+            for i in range(1, 9)
+        ]
+        override = f"precision={name if recipe is None else f'fp8_{recipe}'}"
+        return [override], config, summary, metrics
+
+    tensorwise = {"activation": 0.03, "weight": 0.03, "gradient": 0.06}
+    finer = {"activation": 0.02, "weight": 0.02, "gradient": 0.03}
+    coarser = {"activation": 0.04, "weight": 0.03, "gradient": 0.03}
+    _job(sweep, 0, *run("bf16", None, 1.0, 4.0))
+    _job(sweep, 1, *run("fp8", "tensorwise", 1.001, 4.004, tensorwise))  # 0.1%: holds
+    _job(sweep, 2, *run("fp8", "rowwise", 1.002, 4.12, finer))  # val 3%: does not hold
+    _job(sweep, 3, *run("fp8", "deepseek", 1.01, 4.008, coarser, saturated=3, bytes_off=2))
+    _job(sweep, 4, *run("fp32", None, 1.003, 4.01))
+    module = experiment_module("fp8")
+    assert module.follow_up(load_jobs(sweep)) == [["precision=bf16", "train.seed=1"]]
+    _job(sweep, "follow_up_1/0", *run("bf16", None, 1.05, 4.08, seed=1))  # 2% off
+    assert module.follow_up(load_jobs(sweep)) == []
+    tables = module.report(load_jobs(sweep))
+
+    loss = _rows(tables, "Loss against bf16")
+    verdicts = {(r[0], r[1].split(":")[0], r[1].split(": ")[1][:5]): r[-1] for r in loss}
+    assert verdicts[("loss_within_bf16", "tensorwise", "train")] == HOLDS
+    assert verdicts[("loss_within_bf16", "tensorwise", "final")] == HOLDS
+    assert verdicts[("within_randomness", "tensorwise", "next ")] == HOLDS  # 2% / 0.1%
+    assert verdicts[("loss_within_bf16", "rowwise", "train")] == HOLDS
+    assert verdicts[("loss_within_bf16", "rowwise", "final")] == DOES_NOT_HOLD
+    assert verdicts[("within_randomness", "rowwise", "next ")] == DOES_NOT_HOLD  # 2% / 3%
+    assert verdicts[("loss_within_bf16", "deepseek", "train")] == DOES_NOT_HOLD  # 1%
+    assert verdicts[("loss_within_bf16", "deepseek", "final")] == HOLDS  # 0.2%
+    fp32 = [r for r in loss if r[1].startswith("fp32")]
+    assert [r[2] for r in fp32] == ["0.3%", "0.25%"]
+    assert all(r[0] == "-" and r[-1].startswith("control") for r in fp32)
+
+    finer_rows = {r[1]: (r[2], r[-1]) for r in _rows(tables, "Finer scales against one per tensor")}
+    assert finer_rows["rowwise vs tensorwise: activations"] == ("1.5x", HOLDS)
+    assert finer_rows["rowwise vs tensorwise: gradients"] == ("2x", HOLDS)
+    assert finer_rows["deepseek vs tensorwise: activations"] == ("0.75x", DOES_NOT_HOLD)
+    assert finer_rows["deepseek vs tensorwise: weights"][1] == HOLDS  # equal: 1x
+    blocks = _rows(tables, "Quantisation error per block and operand")
+    assert [r[:3] for r in blocks[:2]] == [("tensorwise", "0", "0.03"), ("tensorwise", "1", "0.03")]
+
+    saturation = _rows(tables, "Saturation")
+    assert [r[-1] for r in saturation[:6]] == [HOLDS] * 6
+    assert [r[-1] for r in saturation[6:]] == [HOLDS, HOLDS, DOES_NOT_HOLD]
+    assert saturation[8][2] == "24"  # 3 in each gradient operand (2) of each linear (4)
+    underflow = {r[0]: r[1:4] for r in _rows(tables, "Underflow")}
+    assert underflow["tensorwise"] == ("0 (largest fraction 0)",) * 3
+    assert underflow["deepseek"][2] == "24 (largest fraction 0.0003)"
+
+    memory = {r[1].split(" ")[0]: r[-1] for r in _rows(tables, "Activation bytes per layer")}
+    assert memory == {
+        "bf16": HOLDS, "tensorwise": HOLDS, "rowwise": HOLDS, "deepseek": DOES_NOT_HOLD,
+        "fp32": HOLDS,
+    }  # fmt: skip
+    speed = _rows(tables, "Step time against bf16")
+    assert [r[2] for r in speed] == ["1x"] * 3
+    assert all(r[-1].startswith(f"{NOT_COMPARABLE}: emulated on the CPU") for r in speed)
+    write_report(sweep, log_wandb=False)
+    assert (sweep / "fp8_loss.png").stat().st_size > 0
+    assert (sweep / "fp8_error.png").stat().st_size > 0
