@@ -48,6 +48,7 @@ SHARDS = {
         "tests/test_benchmarks_strategies.py",
         "tests/test_benchmarks_moe_peer.py",
         "tests/test_generate_layouts.py",
+        "tests/test_fp8_strategies.py",
     ],
     # Training runs: the README's commands, optimizers under strategies, recompute, precision,
     # compile, the estimator and the experiments (about 25 min).

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llm.errors import ConfigError
-from llm.estimate.fp8_terms import fp8_block_terms
+from llm.estimate.fp8_terms import check_fp8_formula, fp8_block_terms, fp8_linear_outputs
 from llm.estimate.tp_terms import replicated_kv_terms, split_terms
 from llm.models import ModelArgs
 from llm.parallel.tensor_parallel import kv_replicated
@@ -153,11 +153,8 @@ def layer_terms(
     terms = _block_terms(
         args, batch, seq, policy, k, backend, sdpa_kernel, device, recompute, training
     )
-    if policy.fp8 and tp > 1:
-        raise ConfigError(
-            "the activation formula models precision=fp8 on one tensor-parallel rank (fp8 "
-            "with tensor parallel is refused by training)"
-        )
+    if policy.fp8:
+        check_fp8_formula(tp)
     split = split_terms(terms, tp, sequence_parallel, k.sp_saves_gathered_input)
     if tp == 1 or not kv_replicated(args.n_kv_heads, tp):
         return split
@@ -200,12 +197,9 @@ def _block_terms(
     drop = training and args.dropout > 0
     kind = _kernel_kind(backend, sdpa_kernel, device, dt, drop, args)
     if recompute.startswith("op_sac"):
-        if policy.fp8:
-            raise ConfigError(
-                f"the activation formula does not model precision=fp8 with recompute="
-                f"{recompute}; it models none, selective and full"
-            )
-        return _op_sac_terms(args, b, s, dt, kind, device, recompute.endswith("every_other_mm"))
+        fp32_outputs = fp8_linear_outputs(args, policy.fp8_recipe) if policy.fp8 else frozenset()
+        every_other = recompute.endswith("every_other_mm")
+        return _op_sac_terms(args, b, s, dt, kind, device, every_other, fp32_outputs)
     mask = k.dropout_mask_bytes or (BOOL if device == "cuda" else None)
     terms: dict[str, int] = {}
     terms |= _norm_terms("attn_norm", args, b, s, dt, k)
@@ -318,7 +312,14 @@ def _lse_rows(kind: str, device: str, dt: Dtypes, s: int) -> int:
 
 
 def _op_sac_terms(
-    args: ModelArgs, b: int, s: int, dt: Dtypes, kind: str, device: str, every_other_mm: bool
+    args: ModelArgs,
+    b: int,
+    s: int,
+    dt: Dtypes,
+    kind: str,
+    device: str,
+    every_other_mm: bool,
+    fp32_outputs: frozenset[str] = frozenset(),
 ) -> dict:
     """op_sac keeps the block's input (the checkpoint's), the outputs of the linear matmuls
     (with ``every_other_mm`` only the 1st, 3rd, ... in forward order) and of the attention
@@ -330,7 +331,11 @@ def _op_sac_terms(
     order = ("wq", "wk", "wv", "wo", *mlp)
     kept = order[::2] if every_other_mm else order
     terms = {"block.input": b * s * h * dt.p}
-    terms |= {f"{name}.output": b * s * widths[name] * dt.c for name in kept}
+    # precision=fp8's emulated GEMMs return fp32 (fp8_terms.py).
+    terms |= {
+        f"{name}.output": b * s * widths[name] * (F32 if name in fp32_outputs else dt.c)
+        for name in kept
+    }
     heads = b * args.n_heads * s * args.head_dim
     if kind in FLASH_LIKE:
         rows = _lse_rows(kind, device, dt, s)

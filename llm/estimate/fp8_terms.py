@@ -1,6 +1,7 @@
 """What precision=fp8's linears save for backward, as changes to a block's terms
-(llm/estimate/activations.py), for the dense blocks the fp8 conversion touches
-(llm/precision/fp8/convert.py: attention wq, wk, wv, wo; MLP w1, w2, w3).
+(llm/estimate/activations.py). The fp8 conversion (llm/precision/fp8/convert.py) touches
+attention wq, wk, wv, wo and the MLP's w1, w2, w3 (a dense block's, or a MoE block's shared
+experts'); the MoE router and routed experts stay in the compute dtype.
 
 - tensorwise and rowwise (our emulation, and torchao's Float8Linear alike) keep the input in
   the compute dtype, cast once per linear as autocast does, and the fp32 master weight
@@ -10,8 +11,13 @@
   fp32 scale per 128x128 block. Nothing else keeps the 16-bit input a linear quantised, so
   the terms that were that input are replaced; a fused attention kernel keeps its output
   (which wo reads) whatever wo does.
+- recompute=op_sac keeps the outputs of the linears' matmuls: the emulated fp8 GEMM's are
+  fp32 (its matmul multiplies dequantised fp32 operands), whatever the recipe.
 
-Measured on CPU (tests/test_activation_formula.py, exact equality for every recipe).
+Measured on CPU, in emulation (tests/test_activation_formula_fp8.py, exact equality for
+every recipe). On a GPU the real kernels save what they save for backward the same way;
+under op_sac, their outputs are not aten.mm's (torchao's _scaled_mm, our Triton GEMM), which
+this count does not model.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from llm.models import ModelArgs
 from llm.precision.fp8.convert import TENSOR_CORE_MULTIPLE
 from llm.precision.fp8.scaling import TILE
 
-F32 = 4
+F32, C16 = 4, 2  # an fp32 element; precision=fp8's compute dtype, bf16
 
 
 def fp8_block_terms(
@@ -32,22 +38,18 @@ def fp8_block_terms(
     recipe: str,
     kernel_keeps_output: bool,
 ) -> dict[str, int]:
-    """``terms`` (a block's, under autocast) as precision=fp8 with ``recipe`` changes them.
-    ``kernel_keeps_output``: the attention core is a fused kernel whose saved output wo reads
-    (recompute none); else wo's input is saved by wo alone."""
-    if args.moe is not None:
-        raise ConfigError(
-            "the activation formula does not model precision=fp8 with MoE blocks (the routed "
-            "experts stay high precision, the shared ones are converted); estimate with "
-            "precision=bf16 for an upper bound, or measure with train.memory_tracking"
-        )
-    linears = _linears(args)
-    copies = sum(
-        i * o * 2 for i, o in linears.values() if not _converted(recipe, i, o)
-    )  # autocast still casts a linear the conversion leaves alone
-    out = {k: v for k, v in terms.items() if k != "autocast.weight_copies"}
-    if copies and "autocast.weight_copies" in terms:
-        out["autocast.weight_copies"] = copies
+    """``terms`` (a block's, under autocast, recompute none or selective) as precision=fp8
+    with ``recipe`` changes them. ``kernel_keeps_output``: the attention core is a fused
+    kernel whose saved output wo reads (recompute none); else wo's input is saved by wo."""
+    converted = {
+        name: (i, o) for name, (i, o) in fp8_linears(args).items() if _converted(recipe, i, o)
+    }
+    out = dict(terms)
+    if "autocast.weight_copies" in terms:
+        left = terms["autocast.weight_copies"] - C16 * sum(i * o for i, o in converted.values())
+        out.pop("autocast.weight_copies")
+        if left:  # the router and routed experts, and linears the conversion left alone
+            out["autocast.weight_copies"] = left
     if recipe != "deepseek":
         return out
     n, h = batch * seq, args.d_model
@@ -55,26 +57,54 @@ def fp8_block_terms(
     if not kernel_keeps_output:
         del out["wo.input"]
     out["wo.input_fp8"] = _fp8_copy(n * h)
-    consumers = 1 if args.family == "gpt2" else 2
-    out["mlp.input"] = consumers * _fp8_copy(n * h)
-    out["mlp.w2_input"] = _fp8_copy(n * args.d_ff)
+    if args.moe is None:
+        consumers = 1 if args.family == "gpt2" else 2
+        out["mlp.input"] = consumers * _fp8_copy(n * h)
+        out["mlp.w2_input"] = _fp8_copy(n * args.d_ff)
+    elif shared := args.moe.n_shared_experts * args.d_expert:
+        # The router's 16-bit cast stays; the shared experts' w1 and w3 take fp8 copies.
+        out["moe.input"] = n * h * C16 + 2 * _fp8_copy(n * h)
+        out["moe.shared_w2_input"] = _fp8_copy(n * shared)
     out["fp8.weight_copies"] = sum(
-        i * o + (i // TILE) * (o // TILE) * F32 for i, o in linears.values()
+        i * o + (i // TILE) * (o // TILE) * F32 for i, o in converted.values()
     )
     return out
+
+
+def fp8_linear_outputs(args: ModelArgs, recipe: str) -> frozenset[str]:
+    """The linears (wq, ..., w2) of a dense block whose matmul outputs are fp32 under
+    precision=fp8 (the ones the conversion turns into fp8 linears)."""
+    return frozenset(
+        name
+        for name, (i, o) in fp8_linears(args).items()
+        if "." not in name and _converted(recipe, i, o)
+    )
+
+
+def fp8_linears(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """name -> (in_features, out_features) of a block's linears the conversion may touch."""
+    h, kv, f = args.d_model, args.n_kv_heads * args.head_dim, args.d_ff
+    q = args.n_heads * args.head_dim
+    attention = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h)}
+    if args.moe is not None:
+        s = args.moe.n_shared_experts * args.d_expert
+        shared = {"shared.w1": (h, s), "shared.w3": (h, s), "shared.w2": (s, h)}
+        return attention | (shared if s else {})
+    mlp = {"w1": (h, f), "w2": (f, h)} | ({} if args.family == "gpt2" else {"w3": (h, f)})
+    return attention | mlp
+
+
+def check_fp8_formula(tp: int) -> None:
+    if tp > 1:
+        raise ConfigError(
+            "the activation formula models precision=fp8 on one tensor-parallel rank (fp8 "
+            "with tensor parallel is refused by training)"
+        )
 
 
 def _fp8_copy(numel: int) -> int:
     """e4m3 codes and one fp32 scale per 1x128 tile."""
     return numel + numel // TILE * F32
-
-
-def _linears(args: ModelArgs) -> dict[str, tuple[int, int]]:
-    """name -> (in_features, out_features) of a dense block's converted linears."""
-    h, kv, f = args.d_model, args.n_kv_heads * args.head_dim, args.d_ff
-    q = args.n_heads * args.head_dim
-    mlp = {"w1": (h, f), "w2": (f, h)} | ({} if args.family == "gpt2" else {"w3": (h, f)})
-    return {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h)} | mlp
 
 
 def _converted(recipe: str, in_features: int, out_features: int) -> bool:
