@@ -64,6 +64,11 @@ def _missing(job: Job) -> str:
     return job.summary.get("fp8_stats_note") or "not recorded (precision.fp8_stats_every=0)"
 
 
+def casts_of_kind(st: dict, kind: str) -> list[dict]:
+    """Every (layer, operand) row of ``kind`` (activation, weight, gradient)."""
+    return [r for _, _, r in casts(st) if r["kind"] == kind]
+
+
 def casts(st: dict) -> list[tuple[str, str, dict]]:
     """(block, operand, row) for every operand of every linear."""
     return [(block_of(layer), op, row) for layer, ops in st.items() for op, row in ops.items()]
@@ -97,7 +102,7 @@ def kind_table(jobs: list[Job]) -> Table:
             continue
         cells = []
         for kind in KINDS:
-            of_kind = [r for _, _, r in casts(st) if r["kind"] == kind]
+            of_kind = casts_of_kind(st, kind)
             cells += [fmt(mean_error(of_kind)), fmt(max(r["max_rel_error"] for r in of_kind))]
         rows.append((recipe(j), *cells, ""))
     columns = [f"{k}s: {s}" for k in KINDS for s in ("mean", "max")]
@@ -181,7 +186,7 @@ def saturation_table(jobs: list[Job]) -> Table:
                 setting = f"{recipe(j)}: {kind}s"
                 rows.append(compare(CLAIMS["no_saturation"], setting, None, 0, "", _missing(j)))
                 continue
-            of_kind = [r for _, _, r in casts(st) if r["kind"] == kind]
+            of_kind = casts_of_kind(st, kind)
             saturated = sum(r["saturated"] for r in of_kind)
             worst = max(r["saturated_fraction"] for r in of_kind)
             setting = f"{recipe(j)}: {kind}s (largest fraction of one operand {fmt(worst)})"
@@ -206,7 +211,7 @@ def underflow_table(jobs: list[Job]) -> Table:
             continue
         cells = []
         for kind in KINDS:
-            of_kind = [r for _, _, r in casts(st) if r["kind"] == kind]
+            of_kind = casts_of_kind(st, kind)
             under = sum(r.get("underflowed", 0) for r in of_kind)
             worst = max(r.get("underflowed_fraction", 0) for r in of_kind)
             cells.append(f"{fmt(under)} (largest fraction {fmt(worst)})")

@@ -17,7 +17,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_pass.common import Result, device, time_ms
+from benchmarks.gpu_pass.common import Result, device, peak_allocated, reset_peak, time_ms
 from llm.errors import ConfigError
 from llm.models import build_model, materialize, model_args
 from llm.precision import apply_fp8, resolve_precision
@@ -52,13 +52,13 @@ def _train(model, batch, steps: int, compiled: bool, dev) -> tuple[list[float], 
 
 
 def _row(name: str, gemm: str, model, batch, s: dict, dev) -> dict:
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+    reset_peak(dev)
     losses, ms = _train(model, batch, s["steps"], s["compile"], dev)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    peak = peak_allocated(dev)
     return {
         "recipe": name, "gemm": gemm, "step_ms": ms,
-        "tokens_per_s": s["batch"] * s["seq_len"] / ms * 1e3, "peak_gib": peak,
+        "tokens_per_s": s["batch"] * s["seq_len"] / ms * 1e3,
+        "peak_gib": None if peak is None else peak / 2**30,
         "first_loss": losses[0], "last_loss": losses[-1],
     }  # fmt: skip
 

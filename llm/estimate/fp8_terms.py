@@ -45,11 +45,10 @@ def fp8_block_terms(
         name: (i, o) for name, (i, o) in fp8_linears(args).items() if _converted(recipe, i, o)
     }
     out = dict(terms)
-    if "autocast.weight_copies" in terms:
-        left = terms["autocast.weight_copies"] - C16 * sum(i * o for i, o in converted.values())
-        out.pop("autocast.weight_copies")
-        if left:  # the router and routed experts, and linears the conversion left alone
-            out["autocast.weight_copies"] = left
+    copies = out.pop("autocast.weight_copies", 0)
+    # What autocast still casts: the router, routed experts, linears the conversion left alone.
+    if copies and (left := copies - C16 * sum(i * o for i, o in converted.values())):
+        out["autocast.weight_copies"] = left
     if recipe != "deepseek":
         return out
     n, h = batch * seq, args.d_model
@@ -72,13 +71,9 @@ def fp8_block_terms(
 
 
 def fp8_linear_outputs(args: ModelArgs, recipe: str) -> frozenset[str]:
-    """The linears (wq, ..., w2) of a dense block whose matmul outputs are fp32 under
-    precision=fp8 (the ones the conversion turns into fp8 linears)."""
-    return frozenset(
-        name
-        for name, (i, o) in fp8_linears(args).items()
-        if "." not in name and _converted(recipe, i, o)
-    )
+    """The linears whose matmul outputs are fp32 under precision=fp8: the ones the conversion
+    turns into fp8 linears."""
+    return frozenset(n for n, (i, o) in fp8_linears(args).items() if _converted(recipe, i, o))
 
 
 def fp8_linears(args: ModelArgs) -> dict[str, tuple[int, int]]:

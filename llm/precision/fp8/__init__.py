@@ -1,12 +1,14 @@
-"""fp8 training recipes in emulation: quantise each GEMM operand as a recipe does, dequantise,
-multiply in fp32. Reproduces the recipes' rounding exactly on any device (CPU included),
-not their speed.
+"""fp8 training recipes: quantise each GEMM operand as a recipe does, then either dequantise
+and multiply in fp32 (emulation: the recipes' rounding exactly on any device, CPU included,
+not their speed) or, for deepseek on a GPU, multiply the codes on our Triton GEMM.
 
 - scaling.py: the quantisers (tensorwise, rowwise, 1x128 tiles, 128x128 blocks; e4m3/e5m2,
   saturating) with each source's scale arithmetic (torchao's, DeepSeek-V3's).
 - linear.py: the recipes (tensorwise, rowwise, deepseek), :class:`Fp8Linear` and its
   autograd function doing the three GEMMs on fp8 operands; :func:`record_fp8_stats`.
-- stats.py: the opt-in per-operand quantisation error and saturation record.
+- triton_gemm.py (kernel in triton_gemm_kernel.py): the block-scaled fp8 GEMM.
+- stats.py: the opt-in quantisation error, saturation and underflow record, per layer and
+  operand.
 - convert.py: :func:`convert_to_fp8`, which swaps the blocks' linears in place.
 """
 

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from llm.errors import ConfigError
+from llm.precision.fp8.scaling import TILE  # K elements per scale
 
-TILE = 128  # K elements per scale (scaling.TILE)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_COMPUTE_CAPABILITY = (8, 9)  # Ada and Hopper: the first with fp8 (e4m3) tensor cores
 _INSTALL = "pip install -c constraints.txt triton==3.9.0"

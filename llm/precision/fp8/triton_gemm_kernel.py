@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-CHUNK = 128  # K elements per scale: DeepSeek-V3's tile width, its promotion interval N_C
+# K elements per scale: DeepSeek-V3's tile width, its promotion interval N_C.
+from llm.precision.fp8.scaling import TILE as CHUNK
 
 # (BLOCK_M, BLOCK_N) under the interpreter: small, so that ragged M and N cross block edges
 # and several N blocks share one 128-row weight block; timing means nothing there.
