@@ -259,8 +259,8 @@ def _train(
     )
     if precision.fp8_emulated:
         logger.info(
-            f"fp8: the {precision.fp8_recipe} recipe runs emulated (e4m3 quantised and "
-            "dequantised, matmuls in fp32): its rounding, not its speed or memory"
+            f"fp8: the {precision.fp8_recipe} recipe runs emulated (fp8 quantised and "
+            "dequantised, matmuls in fp32): its rounding and what backward keeps, not its speed"
         )
     model_digest = shape_digest(args)
     checkpointer = (
@@ -348,7 +348,7 @@ def _run_facts(
         "strategy": cfg.parallelism.name,
         "precision": precision.name,
         # precision=fp8: its recipe, and whether it ran emulated (fp32 quantise-dequantise:
-        # the recipe's rounding, not its speed or memory).
+        # the recipe's rounding and what backward keeps, not its speed).
         "fp8_recipe": precision.fp8_recipe,
         "fp8_emulated": precision.fp8_emulated,
         "model": cfg.model.name,

@@ -133,7 +133,7 @@ def fp32_reference(tmp_path_factory, text_corpus, cache_dir):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "deepseek"])
 def test_fp8_recipes_train_end_to_end_in_emulation(
-    tmp_path, text_corpus, cache_dir, fp32_reference, recipe
+    tmp_path, text_corpus, cache_dir, fp32_reference, recipe, capfd
 ):
     """Each recipe trains on CPU, emulated, and the summary says so; fp32 from the same seed
     and data is the yardstick (a few steps of a tiny llama: within 5% at the end). Every
@@ -143,6 +143,7 @@ def test_fp8_recipes_train_end_to_end_in_emulation(
         f"precision.fp8_recipe={recipe}", "precision.fp8_stats_every=2",
     )  # fmt: skip
     assert summary["fp8_recipe"] == recipe and summary["fp8_emulated"] is True
+    assert f"fp8: the {recipe} recipe runs emulated" in capfd.readouterr().err  # the run's log
     ref = fp32_reference["final_train_loss"]
     assert summary["final_train_loss"] == pytest.approx(ref, rel=0.05)
     assert summary["final_train_loss"] != ref  # it did quantise
