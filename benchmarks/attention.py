@@ -93,7 +93,7 @@ def _peak_mib(run, device: str, inputs_bytes: int) -> float:
         run()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
-    tracker = PeakTracker(torch.device("cpu"), "every_step")
+    tracker = PeakTracker(torch.device("cpu"), "alternate")
     with tracker.step(tracked=True):
         run()
     return max(tracker.last_step["total"] - inputs_bytes, 0) / 2**20

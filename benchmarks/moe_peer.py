@@ -318,7 +318,7 @@ def _train_deepspeed_moe(rank: int, world: int, spec: dict) -> dict:
             self.engine, self.inner = engine, optimizer
             self.cfg = type("Cfg", (), {"zero_stage": 2})()
 
-    tracker = PeakTracker(device, "every_step" if measure else "off")
+    tracker = PeakTracker(device, "alternate" if measure else "off")
     tracker.watch(_Held().state_tensors)
     coef = args.moe.aux_loss_coef
     blocks = find_layers(engine.module)

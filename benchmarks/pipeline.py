@@ -165,7 +165,7 @@ def _measure(rank: int, world: int, opts, schedule: str, m: int) -> dict:
         wall = time.perf_counter() - start
         idle.append(1 - probe.busy / wall)
         sent.append(sum(strategy.comm().values()))
-    tracker = PeakTracker(device, "every_step")
+    tracker = PeakTracker(device, "alternate")
     tracker.watch(lambda: module_state_tensors(part))
     with tracker.step(tracked=True):
         step()

@@ -167,7 +167,7 @@ def peak(s: Setup, compiled: bool) -> tuple[int | None, str | None]:
         return torch.cuda.max_memory_allocated(), None
     if compiled:  # the tracker's dispatch mode makes Dynamo run the step eagerly
         return None, None
-    tracker = PeakTracker(s.device, "every_step")
+    tracker = PeakTracker(s.device, "alternate")
     tracker.watch(lambda: module_state_tensors(s.model, s.opt))
     with tracker.step(tracked=True):
         s.step(tracker)

@@ -10,7 +10,7 @@ killed with all its ranks (its own process group) after --timeout, a crash canno
 benchmark down (the row shows as failed with its one-line error and the next row runs),
 and OMP_NUM_THREADS is set per rank count (cores // ranks: oversubscribed pools thrash).
 
-Per row: the median of rank 0's `step_time_s` after --warmup steps; the CPU that other
+Per row: the median of rank 0's `step_time_s` over the timed steps after --warmup steps; the CPU that other
 processes used meanwhile (a shared machine: such rows are run again, --retakes); rank 0's
 model-state bytes (params / grads / optimizer states as the strategy's memory() counts its
 tensor storages after a step: the steady state) with the ZeRO paper's formula for that stage
@@ -229,10 +229,10 @@ def overrides(a: argparse.Namespace, job: Job, run_dir: Path, measure: bool) -> 
         f"train.micro_batch_size={a.global_batch // job.dp}",
         "train.grad_accum_steps=1",
         f"train.max_steps={a.measure_steps if measure else a.steps}",
-        "train.log_every=1",  # every step's step_time_s reaches metrics.jsonl
+        "train.log_every=1",  # every timed step's step_time_s reaches metrics.jsonl
         f"train.eval_every={a.steps}",  # only the (small) final evaluation
         f"parallelism.count_comm={str(measure).lower()}",
-        f"train.memory_tracking={'every_step' if measure else 'off'}",
+        f"train.memory_tracking={'alternate' if measure else 'off'}",
         "scheduler.warmup_steps=1",
         "logger=none",
         "logger.progress=false",
@@ -342,7 +342,8 @@ def read_run(a: argparse.Namespace, job: Job, run_dir: Path, measure: bool) -> d
     if not measure:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         metrics = [json.loads(line) for line in lines]
-        times = [m["step_time_s"] for m in metrics if "step_time_s" in m and m["step"] > a.warmup]
+        # Probe steps (every other one at log_every=1) carry no time: only timed steps count.
+        times = [m["step_time_s"] for m in metrics if m.get("step_time_s") and m["step"] > a.warmup]
         median = statistics.median(times)
         return {
             "ok": True,

@@ -49,7 +49,7 @@ def main() -> None:
     args = model_args(a.model, vocab_size=4096)
     model = materialize(build_model(args), device, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tracker = PeakTracker(device, "every_step")
+    tracker = PeakTracker(device, "alternate")
     tracker.watch(lambda: module_state_tensors(model, opt))
     x = torch.randint(0, args.vocab_size, (a.batch, a.seq), device=device)
     y = torch.randint(0, args.vocab_size, (a.batch, a.seq), device=device)

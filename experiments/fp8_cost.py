@@ -10,7 +10,7 @@ import statistics
 
 import torch
 
-from experiments.claims import COMPARISON_COLUMNS, Claim, Table, compare, fmt
+from experiments.claims import COMPARISON_COLUMNS, FORMULA_COLUMNS, Claim, Table, compare, fmt
 from experiments.fp8_quantisation import RECIPES, recipe
 from experiments.sweep import Job
 from llm.estimate.activations import layer_terms
@@ -55,12 +55,9 @@ def reference(jobs: list[Job], name: str = "bf16") -> Job | None:
 
 
 def median_step_time(job: Job) -> float | None:
-    every = int(job.get("precision.fp8_stats_every", 0) or 0)
-    times = [
-        t
-        for s, t in job.metric("step_time_s")
-        if s > WARMUP_STEPS and not (every and recipe(job) and s % every == 0)
-    ]
+    """Over the timed steps after the warm-up: steps that record fp8 statistics, like every
+    probe, carry no step_time_s."""
+    times = [t for s, t in job.metric("step_time_s") if s > WARMUP_STEPS]
     return statistics.median(times) if times else None
 
 
@@ -109,12 +106,14 @@ def memory_table(jobs: list[Job]) -> Table:
         row = compare(CLAIMS["our_formula"], precision(j) + against, ours, formula_bytes(j), " B")
         rows.append(row)
     return Table(
-        "Activation bytes per layer",
-        COMPARISON_COLUMNS,
+        "Activation bytes per layer against our formula",
+        FORMULA_COLUMNS,
         rows,
-        note="What one block keeps for backward. deepseek keeps fp8 copies of its linears' "
-        "inputs and weights with their scales (DeepSeek-V3 §3.3.3); tensorwise and rowwise "
-        "keep the bf16 input and cast it afresh in backward, as torchao does.",
+        note="What one block keeps for backward, against llm.estimate.layer_terms at the "
+        "run's shape and precision policy (our formula, not a published figure). deepseek "
+        "keeps fp8 copies of its linears' inputs and weights with their scales (DeepSeek-V3 "
+        "§3.3.3); tensorwise and rowwise keep the bf16 input and cast it afresh in backward, "
+        "as torchao does.",
     )
 
 
@@ -170,7 +169,7 @@ def per_job_table(jobs: list[Job], label) -> Table:
             "peak memory",
         ),
         rows,
-        note=f"median step_time_s after step {WARMUP_STEPS}, leaving out the steps that "
-        "recorded fp8 stats (precision.fp8_stats_every: each operand's error is computed "
-        "there); peak memory where the run tracked it (train.memory_tracking).",
+        note=f"median step_time_s of the timed steps after step {WARMUP_STEPS}: a step that "
+        "runs an instrument (fp8 stats, the memory probes) is never timed; peak memory where "
+        "the run tracked it (train.memory_tracking).",
     )

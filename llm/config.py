@@ -577,9 +577,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
     deterministic: bool = False
-    # When the peak-memory tracker runs: on logged steps (default; it costs step time),
-    # every step, or off.
-    memory_tracking: str = "logged"  # logged | every_step | off
+    # Which steps probe memory (llm/train/probes.py): step 1 and the logged steps (default),
+    # every other step, or the same steps without the peak tracker. A probe is never timed.
+    memory_tracking: str = "logged"  # logged | alternate | off
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -597,8 +597,13 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
         _require_choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        if self.memory_tracking == "every_step":
+            raise ConfigError(
+                "train.memory_tracking=every_step is now alternate: a tracked step is never "
+                "timed, so at most every other step is tracked; use train.memory_tracking=alternate"
+            )
         _require_choice(
-            "train", "memory_tracking", self.memory_tracking, ("logged", "every_step", "off")
+            "train", "memory_tracking", self.memory_tracking, ("logged", "alternate", "off")
         )
 
 

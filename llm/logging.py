@@ -159,6 +159,7 @@ class RunLogger:
                 f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                 for k, v in metrics.items()
                 if k in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s")
+                and v is not None  # a probe step's line has no timing of its own
             )
             line = f"step {step:>6}/{self.max_steps}  {shown}"
             self.console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -222,7 +222,7 @@ def _startup_rank(rank: int, world: int, port: int, case: tuple, results) -> Non
             CPU,
         )
         model = build_model(args)
-        tracker = PeakTracker(CPU, mode="every_step")
+        tracker = PeakTracker(CPU, mode="alternate")
         tracker.begin("startup")  # as llm.run tracks it
         wrapped = strategy.wrap(model, InitSource(args, SEED))
         strategy.build_optimizer(wrapped, OptimizerConfig())

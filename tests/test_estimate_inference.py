@@ -117,7 +117,7 @@ def _measured(args, batch: int, context: int, paged: bool) -> tuple[int, int]:
         cache = PagedKVCache(args, blocks, 16, torch.float32, "cpu")
     else:
         cache = ContiguousKVCache(args, batch, context, torch.float32, "cpu")
-    tracker = PeakTracker(torch.device("cpu"), mode="every_step")
+    tracker = PeakTracker(torch.device("cpu"), mode="alternate")
     tracker.watch(lambda: {"params": [*model.parameters(), cache.kv]})
     prompt = context - 1  # the new token is the context's last
     for seq in range(batch):

@@ -22,7 +22,7 @@ def setup():
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(N))
     opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9)  # one momentum buffer per param
-    tracker = PeakTracker(CPU, "every_step")
+    tracker = PeakTracker(CPU, "alternate")
     tracker.watch(
         lambda: {
             "params": [weight],
@@ -114,7 +114,7 @@ def test_activations_are_released_after_backward(setup):
 
 def test_storage_resized_to_zero_and_back_is_remeasured():
     full = torch.zeros(N)
-    tracker = PeakTracker(CPU, "every_step")
+    tracker = PeakTracker(CPU, "alternate")
     tracker.watch(lambda: {"params": [full]})
     full.untyped_storage().resize_(0)  # freed before tracking began (ZeRO-3, FSDP2)
     with tracker.step(tracked=True):
@@ -137,7 +137,7 @@ def test_a_saved_leaf_whose_storage_is_swapped_out_is_not_subtracted_twice():
     """DeepSpeed ZeRO-3 gathers a parameter into a fresh storage for forward and releases it
     with ``param.data = torch.empty(0)`` while autograd still holds the parameter."""
     weight = torch.nn.Parameter(torch.zeros(1))
-    tracker = PeakTracker(CPU, "every_step")
+    tracker = PeakTracker(CPU, "alternate")
     with tracker.step(tracked=True):
         weight.data = torch.randn(N) * 1.0  # gathered: an op output, so the tracker sees it
         x = torch.randn(N, requires_grad=True)
@@ -152,7 +152,7 @@ def test_a_saved_leaf_whose_storage_is_swapped_out_is_not_subtracted_twice():
 
 
 def test_peak_falls_in_the_phase_that_allocated_most():
-    tracker = PeakTracker(CPU, "every_step")
+    tracker = PeakTracker(CPU, "alternate")
     with tracker.step(tracked=True):
         small = torch.ones(N)
         tracker.phase("backward")
@@ -178,19 +178,12 @@ def test_regions_are_phases_of_their_own():
 def test_off_records_nothing(setup):
     weight = setup[0]
     tracker = PeakTracker(CPU, "off")
-    assert not tracker.tracks(logged=True)
-    with tracker.step(tracker.tracks(logged=True)):
+    with tracker.step(True):
         (weight * 2).sum().backward()
     with tracker.region("checkpoint_save"):
         torch.ones(N)
     assert tracker.last_step is None and tracker.best_step is None
     assert tracker.by_phase == {} and tracker.current == 0
-
-
-def test_logged_mode_tracks_logged_steps_only():
-    tracker = PeakTracker(CPU, "logged")
-    assert tracker.tracks(logged=True) and not tracker.tracks(logged=False)
-    assert PeakTracker(CPU, "every_step").tracks(logged=False)
 
 
 def test_a_failed_region_leaves_no_mode_behind():
@@ -206,7 +199,7 @@ def test_a_failed_region_leaves_no_mode_behind():
 
 def test_module_state_is_counted_as_such():
     model = torch.nn.Linear(8, 8)
-    tracker = PeakTracker(CPU, "every_step")
+    tracker = PeakTracker(CPU, "alternate")
     tracker.watch(lambda: module_state_tensors(model))
     with tracker.step(tracked=True):
         model(torch.ones(2, 8)).sum().backward()
@@ -236,8 +229,11 @@ def test_one_process_run_reports_its_peak(tmp_path, text_corpus, cache_dir):
     assert summary["max_peak_memory_bytes"] == max(p["total"] for p in by_phase.values())
     assert summary["process_peak_rss_bytes"] > summary["max_peak_memory_bytes"]
     rows = [m for m in read_metrics(out) if "loss" in m]
-    assert all(len(m["memory_peak"]) == 1 for m in rows)  # log_every=1: every step is tracked
-    assert all(m["peak_memory_bytes"] == m["memory_peak"][0]["total"] for m in rows)
+    probes = [m for m in rows if m["probe"]]  # log_every=1: every other step is tracked
+    assert [m["step"] for m in probes] == [1, 3, 5]
+    assert all(len(m["memory_peak"]) == 1 for m in probes)
+    assert all(m["peak_memory_bytes"] == m["memory_peak"][0]["total"] for m in probes)
+    assert all("memory_peak" not in m for m in rows if not m["probe"])
 
 
 def test_tracking_off_run_reports_no_peak(tmp_path, text_corpus, cache_dir):
@@ -259,7 +255,7 @@ def test_two_rank_ddp_rows_have_one_peak_per_rank(tmp_path, text_corpus, cache_d
         "launcher.nproc_per_node=2",
         "train.max_steps=3",
     )
-    rows = [m for m in read_metrics(out) if "loss" in m]
+    rows = [m for m in read_metrics(out) if "loss" in m and m["probe"]]
     assert rows and all(len(m["memory_peak"]) == 2 for m in rows)
     for row in rows:
         assert row["peak_memory_bytes"] == max(p["total"] for p in row["memory_peak"])

@@ -87,7 +87,7 @@ def measure(strategy_name: str, precision: str, rank: int = 0, world: int = 1) -
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     y = torch.roll(x, -1, dims=1)
-    tracker = PeakTracker(CPU, "every_step")
+    tracker = PeakTracker(CPU, "alternate")
     tracker.watch(strategy.state_tensors)
     _step(strategy, model, tracker, x, y, False, lambda: None)
 

@@ -176,7 +176,7 @@ def test_counted_activations_are_what_the_forward_leaves_alive(policy, options):
     ids = torch.randint(
         0, model.args.vocab_size, (B, T), generator=torch.Generator().manual_seed(0)
     )
-    tracker = PeakTracker(torch.device("cpu"), "every_step")
+    tracker = PeakTracker(torch.device("cpu"), "alternate")
     tracker.watch(lambda: {"params": module_state_tensors(model)["params"]})
     with tracker.step(tracked=True):
         before = tracker.current
@@ -304,8 +304,9 @@ def test_policies_with_flex_attention_give_the_gradients_of_none(policy, options
 
 
 def test_train_py_reports_activation_bytes(tmp_path, text_corpus, cache_dir):
-    """recompute=selective end to end; the activation keys in metrics.jsonl (logged steps)
-    and summary.json (the last logged step), per-layer plus outside equal to the total."""
+    """recompute=selective end to end; the activation keys in metrics.jsonl (probe steps:
+    1 and 3, step 2 follows a probe and is timed) and summary.json (the last probe), per-layer
+    plus outside equal to the total."""
     summary, out = run(
         tmp_path,
         "selective",
@@ -316,8 +317,8 @@ def test_train_py_reports_activation_bytes(tmp_path, text_corpus, cache_dir):
         "train.log_every=2",
         "train.micro_batch_size=2",
     )
-    rows = [m for m in read_metrics(out) if "loss" in m]
-    assert [m["step"] for m in rows] == [1, 2, 3]
+    rows = [m for m in read_metrics(out) if "loss" in m and m["probe"]]
+    assert [m["step"] for m in rows] == [1, 3]
     for m in [*rows, summary]:
         per_layer = m["activation_bytes_per_layer"]
         assert len(per_layer) == 2 and min(per_layer) > 0  # gpt2-tiny's two blocks

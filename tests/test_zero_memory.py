@@ -82,7 +82,7 @@ def test_peak_model_state_follows_the_paper(tmp_path, text_corpus, cache_dir, st
         "train.micro_batch_size=1",
         "data.seq_len=16",
         "train.max_steps=3",
-        "train.memory_tracking=every_step",
+        "train.memory_tracking=alternate",
     )
     assert summary["n_params"] == sum(s.numel for b in _layout(stage)[0] for s in b.slots), (
         "the layout above is not the run's"

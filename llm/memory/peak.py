@@ -51,7 +51,8 @@ from llm.memory.activations import saving_to
 from llm.memory.live import CATEGORIES, STATE, LiveStorages, OpOutputs
 from llm.memory.process import cuda_peak_bytes
 
-MODES = ("logged", "every_step", "off")
+# train.memory_tracking: which steps are tracked is llm.train.probes' schedule; off tracks none.
+MODES = ("logged", "alternate", "off")
 LABELLED = "activations_attention"  # the peak's key for the part attention saved
 MOST = {c: f"{c}_max" for c in CATEGORIES}  # the peak's keys for each category's most bytes
 __all__ = ["CATEGORIES", "MODES", "PeakTracker"]
@@ -99,16 +100,13 @@ class PeakTracker:
         """Where params, grads and optimizer states come from (a strategy's state_tensors)."""
         self._state_fn = state_fn
 
-    def tracks(self, logged: bool) -> bool:
-        """Whether a step is tracked under this mode (``logged``: the step is logged)."""
-        return self.mode == "every_step" or (self.mode == "logged" and logged)
-
     @contextmanager
     def step(self, tracked: bool) -> Iterator[None]:
-        """One training step; its phases are named with ``phase()``, starting at forward."""
+        """One training step, tracked when ``tracked`` (never under mode off); its phases are
+        named with ``phase()``, starting at forward."""
         self._reset_cuda_peak()
         self.last_step = None
-        if tracked:
+        if tracked and self.mode != "off":
             with self._window("forward"):
                 yield
             self.last_step = {**self._step_peak, **self._step_most}

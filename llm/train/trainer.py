@@ -6,12 +6,14 @@ count, the stop vote, the gradient norm and the step time stay on the device (CU
 for the time) and are read together, in one host sync, on logged steps, before a checkpoint
 and at the end (``_read_pending``). The monitor then checks every step read. The one read a
 step still makes is the overflow check's (llm/parallel/step.py).
+
+A step either probes (runs the memory instruments) or is timed, never both
+(llm/train/probes.py): step times, tokens/s and MFU come from timed steps only.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 
@@ -34,7 +36,9 @@ from llm.train.fp8_watch import Fp8Watch
 from llm.train.metrics import StepTimer, mfu
 from llm.train.moe_stats import MoEStats
 from llm.train.monitor import Monitor
+from llm.train.probes import ProbeSchedule
 from llm.train.stop import StopRequested, stop_guard
+from llm.train.timed_steps import TimedSteps
 
 
 @dataclass
@@ -43,7 +47,8 @@ class TrainState:
     tokens_seen: int = 0  # target tokens (padding excluded) of every global batch so far
     last_loss: float | None = None
     last_val_loss: float | None = None
-    tokens_per_sec: list[float] = field(default_factory=list)
+    timed: TimedSteps = field(default_factory=TimedSteps)  # the steps that ran no instrument
+    probe_steps: int = 0  # this invocation's steps that ran the instruments
     comm_per_step: dict[str, int] = field(default_factory=dict)
     comm_steps: int = 0
     skipped_steps: int = 0  # overflowing steps the strategy did not apply
@@ -102,6 +107,7 @@ class _StepOnDevice:
     tokens: torch.Tensor  # global target tokens of the step's batch
     stop_votes: torch.Tensor  # ranks asked to stop
     result: StepResult
+    probe: bool  # ran the instruments: its time is not reported
 
 
 class Trainer:
@@ -155,10 +161,14 @@ class Trainer:
         # The recompute policy's context around every training forward (offload, budget).
         self.recompute = recompute or NoRecompute()
         self._layers = find_layers(model)
-        # Bytes kept for backward by the first micro-batch of the last logged step.
+        # Bytes kept for backward by the first micro-batch of the last probe step.
         self.activations: dict = {}
         self.moe = MoEStats(model, cfg.train.grad_accum_steps)
         self.fp8 = Fp8Watch(model, cfg.precision.fp8_stats_every)
+        t = cfg.train
+        self.probes = ProbeSchedule(
+            t.memory_tracking, t.log_every, t.stop_at_step or t.max_steps, self.fp8.every
+        )
 
     # ---- checkpoint state -------------------------------------------------------------
     def trainer_state(self) -> dict:
@@ -246,16 +256,17 @@ class Trainer:
         # accumulated global batch: k micro-batches of b equal one batch of k*b.
         scale = (self.dp_size / counts[0].clamp(min=1.0)).float()
         step = self.state.step + 1
-        with self.tracker.step(self.tracker.tracks(logged=self._logs_at(step))):
+        probe = self.probes.probes(step)
+        with self.tracker.step(probe):
             if (extra := self.strategy.gradient_pass(step)) is not None:
                 self._gradient_pass(extra, batches, scale, counts[0], step)
             with self.fp8.recording(step):
-                loss_sum, result = self._step_on(batches, scale, count=self._logs_at(step))
-            if self._logs_at(step):
+                loss_sum, result = self._step_on(batches, scale, count=probe)
+            if probe:
                 # Sampled while gradients exist: what a rank holds at its peak of model state.
                 self.model_state_bytes = self.strategy.memory()
             self.strategy.zero_grad()
-        return _StepOnDevice(step, loss_sum, counts[0], counts[1], result)
+        return _StepOnDevice(step, loss_sum, counts[0], counts[1], result, probe)
 
     def _step_on(
         self, batches: list, scale: torch.Tensor, count: bool
@@ -304,7 +315,7 @@ class Trainer:
         return loss_sum
 
     def _counter(self, on: bool) -> AbstractContextManager:
-        """Saved-tensor hooks cost time at every op: only on the steps that are logged."""
+        """Saved-tensor hooks cost time at every saved tensor: only on probe steps."""
         return ActivationMemoryCounter(self._layers) if on else nullcontext()
 
     def _gradient_pass(self, extra, batches: list, scale, tokens, step: int) -> None:
@@ -345,15 +356,16 @@ class Trainer:
             loss = loss_sum / max(tokens, 1.0)
             self.state.tokens_seen += int(tokens)
             self.state.last_loss = loss
-            self.state.tokens_per_sec.append(tokens / timing.step_time_s)
+            if p.probe:
+                self.state.probe_steps += 1
+            else:
+                self.state.timed.add(p.step, tokens, timing)
             stop = stop or votes > 0
             metrics = {
                 "loss": loss,
                 "grad_norm": grad_norm,
                 "loss_scale": p.result.loss_scale,
                 "skipped": p.result.skipped,
-                "step_time_s": timing.step_time_s,
-                "data_wait_share": timing.data_wait_share,
             }
             for alert in self.monitor.check(p.step, metrics):
                 self.logger.alert(alert)
@@ -404,8 +416,8 @@ class Trainer:
         if t.compile and t.memory_tracking != "off":
             # The tracker's dispatch mode makes Dynamo fall back to eager for those steps.
             self.logger.info(
-                f"train.compile=true: steps the peak tracker measures (train.memory_tracking="
-                f"{t.memory_tracking}) run eagerly; train.memory_tracking=off compiles every step"
+                f"train.compile=true: probe steps (train.memory_tracking={t.memory_tracking}) "
+                "run eagerly; they are never timed, and the timed steps run compiled"
             )
         self.model.train()
         with stop_guard() if self.stop is None else nullcontext(self.stop) as stop:
@@ -420,7 +432,7 @@ class Trainer:
                 self._account(self._pending[-1].result)
                 every = self.cfg.checkpoint.every
                 saves = every and self.state.step % every == 0 and self.state.step < t.max_steps
-                logs = self._logs_at(self.state.step)
+                logs = self.probes.logs(self.state.step)
                 # A checkpoint carries tokens_seen: read the steps before saving one.
                 stop_now, metrics = self._read_pending(timer) if logs or saves else (False, None)
                 self.logger.advance(self.state.step, self.state.last_loss, self._last_tps())
@@ -453,11 +465,6 @@ class Trainer:
             self.save()
         return self.summary(stopped=True)
 
-    def _logs_at(self, step: int) -> bool:
-        """Steps whose metrics are logged: the first, every log_every-th and the last."""
-        t = self.cfg.train
-        return step == 1 or step % t.log_every == 0 or step == (t.stop_at_step or t.max_steps)
-
     def _mfu(self, tokens_per_sec: float | None) -> dict[str, float | None]:
         """MFU under each FLOP count (``mfu``: 6N + 12LTd, ``mfu_causal``: what a causal
         kernel computes); None on CPU and unknown GPUs."""
@@ -479,7 +486,7 @@ class Trainer:
         )
 
     def _last_tps(self) -> float | None:
-        return self.state.tokens_per_sec[-1] if self.state.tokens_per_sec else None
+        return self.state.timed.last_tokens_per_sec()
 
     def _account(self, result: StepResult) -> None:
         """What a step leaves on the host: whether it was skipped, and bytes sent."""
@@ -489,17 +496,22 @@ class Trainer:
         self.state.comm_steps += 1
 
     def _log_metrics(self, metrics: dict) -> dict:
+        """The logged step's metrics; timings from the timed steps since the last line,
+        memory (tracked peak, activations, model state) only on a probe step's line."""
         out = dict(metrics)
         out["skipped_steps"] = self.state.skipped_steps
         out["lr"] = self.scheduler.get_last_lr()[0]
-        out["tokens_per_sec"] = self._last_tps()
-        out.update(self._mfu(self._last_tps()))
+        window = self.state.timed.window()
+        out.update(window)
+        out.update(self._mfu(window["tokens_per_sec"]))
         out["tokens_seen"] = self.state.tokens_seen
+        out["probe"] = self.probes.probes(self.state.step)
         out.update(self._step_memory())
-        out.update(self.activations)
         out.update(self.moe.metrics())
-        for kind, value in self.model_state_bytes.items():
-            out[f"memory/{kind}_bytes"] = value
+        if out["probe"]:
+            out.update(self.activations)
+            for kind, value in self.model_state_bytes.items():
+                out[f"memory/{kind}_bytes"] = value
         return out
 
     def _step_memory(self) -> dict:
@@ -531,9 +543,9 @@ class Trainer:
         }
 
     def summary(self, stopped: bool) -> dict:
-        # Steady-state throughput: drop the first steps (allocator warm-up, compilation).
-        tps = self.state.tokens_per_sec[min(3, len(self.state.tokens_per_sec) - 1) :]
-        median_tps = statistics.median(tps) if tps else None
+        # Steady-state throughput of the timed steps: after the warm-up steps where any are.
+        timed = self.state.timed
+        median_tps = timed.median_tokens_per_sec()
         steps = max(self.state.comm_steps, 1)
         return {
             "steps": self.state.step,
@@ -552,12 +564,25 @@ class Trainer:
             "skipped_steps": self.state.skipped_steps,
             "tokens_per_sec": median_tps,
             **self._mfu(median_tps),
+            "data_wait_share": timed.median_data_wait_share(),
+            **self._timing_counts(),
             **self.memory_summary(),
             **self.activations,
             "model_state_bytes": self.model_state_bytes,
             **self._comm_summary(steps),
             **self.fp8.summary(),
         }
+
+    def _timing_counts(self) -> dict:
+        """How many steps the timings come from, and why there are none where that is so."""
+        timed = len(self.state.timed.steps)
+        out = {"timed_steps": timed, "probe_steps": self.state.probe_steps}
+        if not timed:
+            out["tokens_per_sec_note"] = (
+                "no timed step: every step ran an instrument (precision.fp8_stats_every=1, "
+                "or too few steps); timings come only from steps that run none"
+            )
+        return out
 
     def _comm_summary(self, steps: int) -> dict:
         """Bytes per collective kind per step; where nothing was counted because counting
