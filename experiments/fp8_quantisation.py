@@ -182,11 +182,12 @@ def saturation_table(jobs: list[Job]) -> Table:
     for j in _fp8_jobs(jobs):
         st = stats(j)
         for kind in KINDS:
-            if not st:
+            of_kind = casts_of_kind(st, kind) if st else []
+            if not of_kind:  # nothing of the kind cast: no count of 0 to call "holds"
+                reason = f"no {kind} cast recorded" if st else _missing(j)
                 setting = f"{recipe(j)}: {kind}s"
-                rows.append(compare(CLAIMS["no_saturation"], setting, None, 0, "", _missing(j)))
+                rows.append(compare(CLAIMS["no_saturation"], setting, None, 0, "", reason))
                 continue
-            of_kind = casts_of_kind(st, kind)
             saturated = sum(r["saturated"] for r in of_kind)
             worst = max(r["saturated_fraction"] for r in of_kind)
             setting = f"{recipe(j)}: {kind}s (largest fraction of one operand {fmt(worst)})"

@@ -280,6 +280,11 @@ def _speedup_row(jobs, key, opt, best_run, adamw_job, adamw_final, no_adamw, pap
     reason = no_adamw or (None if _judged(jobs) else SHORT_RUN)
     if adamw_job is None or best_run is None:
         return compare(claim, setting, None, paper, "x", reason)
+    # Without a smoothed curve "never reached" would be a verdict on nothing measured.
+    short = [n for n, j in (("adamw", adamw_job), (opt, best_run[1][0])) if final_loss(j) is None]
+    if short:
+        why = f"{' and '.join(short)} logged fewer than {SMOOTHING} training losses"
+        return compare(claim, setting, None, paper, "x", why)
     theirs = steps_to(best_run[1][0], adamw_final)
     if theirs is None:  # it never got to AdamW's loss: slower, not faster
         shown = f"{NOT_COMPARABLE}: {reason}" if reason else DOES_NOT_HOLD

@@ -5,7 +5,8 @@ ZeRO-2 medium, ZeRO-3 high, FSDP medium, tensor parallel medium, pipeline low), 
 the same 4 ranks (conf/layout/: ddp_dp4 ... tp4, pp4); and scaling efficiency, tokens/s on
 N ranks / (N x one rank's), from a follow-up sweep of DDP on 1 and 2 ranks (12 steps,
 tracking off, the default 25 MB buckets), judged where the ranks do not share cores; 4 ranks on fewer cores are not
-comparable. The expert-parallel (MoE) row: experiments/parallel_strategies_moe.py."""
+comparable. The expert-parallel (MoE) row: experiments/parallel_strategies_moe.py (its
+memory against our formula, in a table of its own)."""
 
 from __future__ import annotations
 
@@ -208,9 +209,7 @@ def report(jobs: list[Job]) -> list[Table]:
             )
         reason = f"{n} ranks share the cores; the DDP row below is measured where they do not"
         scaling.append(("scaling", setting, "-", fmt(eff), "-", f"{NOT_COMPARABLE}: {reason}"))
-    moe_memory, moe_comm = moe.rows(jobs)
-    memory += moe_memory
-    comm += moe_comm
+    comm += moe.comm_rows(jobs)
     return [
         Table(
             "Memory saving against DDP",
@@ -221,6 +220,7 @@ def report(jobs: list[Job]) -> list[Table]:
             "and optimizer states held at any moment of the step, on the rank holding the "
             "most. DDP is the baseline row, not a claim: its 0% would compare it with itself.",
         ),
+        moe.formula_table(jobs),
         Table(
             "Communication against DDP",
             COMPARISON_COLUMNS,

@@ -77,6 +77,21 @@ def _device(jobs: list[Job]) -> str:
     return "unknown (no job finished)"
 
 
+def verdicts_line(tables: list[Table]) -> str:
+    """The report's key to its verdicts; the derived ones where a derived table is there."""
+    line = (
+        "- Verdicts: holds / does not hold (outside the claim's tolerance) / not comparable "
+        "here (with the reason). ratio = ours / paper (a range's midpoint; an open range's "
+        "lower bound)."
+    )
+    if any(t.derived for t in tables):
+        line += (
+            " Derived tables (arithmetic, no run behind them): formula agrees / formula "
+            "disagrees, never holds."
+        )
+    return line
+
+
 def write_report(sweep_dir: Path, log_wandb: bool = True) -> Path:
     sweep_dir = Path(sweep_dir)
     config = experiment_of(sweep_dir)
@@ -104,8 +119,7 @@ def write_report(sweep_dir: Path, log_wandb: bool = True) -> Path:
         f"- Device: {_device(jobs)}",
         f"- Jobs: {len(jobs)}, failed: {failed}",
         f"- Written: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "- Verdicts: holds / does not hold (outside the claim's tolerance) / not comparable "
-        "here (with the reason). ratio = ours / paper (a range's midpoint; an open range's lower bound).",
+        verdicts_line(tables),
         "",
     ]
     body = [markdown(t) for t in tables]

@@ -2,15 +2,15 @@
 our zero1-3, FSDP2 and DeepSpeed stages 1-3: the most params, the most grads and the most
 optimizer states rank 0 held at any moment of its step, summed, against 16Φ, 4Φ + 12Φ/N,
 2Φ + 14Φ/N, 16Φ/N (the step's peak beside them, with its phase, as information); the collectives' payload per step
-against 2Φ (stages 0-2) and 3Φ (stage 3); and the paper's Figure 1 example from our
-estimator."""
+against 2Φ (stages 0-2) and 3Φ (stage 3); and, derived (arithmetic, no run), the paper's
+Figure 1 example from our estimator."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import torch
 
-from experiments.claims import COMPARISON_COLUMNS, Claim, Table, compare, fmt
+from experiments.claims import COMPARISON_COLUMNS, Claim, Table, compare, derived_table, fmt
 from experiments.sweep import Job
 from llm.config import OptimizerConfig
 from llm.estimate.states import paper_states
@@ -82,6 +82,7 @@ CLAIMS = {
             SOURCE + ", Figure 1",
             0.01,
             "llm.estimate.states.paper_states (the estimator's paper arithmetic), GB = 1e9 bytes",
+            derived=True,
         ),
     )
 }
@@ -206,7 +207,13 @@ def figure1_table() -> Table:
     for s, gb in FIGURE1_GB.items():
         ours = paper_states(7_500_000_000, 64, s, policy, OptimizerConfig(name="adamw")).total
         rows.append(compare(claim, f"stage {s}", ours / 1e9, gb, " GB"))
-    return Table("Figure 1: 7.5B parameters on 64 ranks", COMPARISON_COLUMNS, rows)
+    return derived_table(
+        "Figure 1: 7.5B parameters on 64 ranks",
+        rows,
+        note="ours: llm.estimate.states.paper_states at Φ = 7.5B, N = 64, bf16 and AdamW, "
+        "the estimator's arithmetic for the paper's formulas; the measured model states are "
+        "the first table's.",
+    )
 
 
 def report(jobs: list[Job]) -> list[Table]:

@@ -17,7 +17,15 @@ import yaml
 
 from experiments import kv_cache_measure as kv_measure
 from experiments import runner
-from experiments.claims import DOES_NOT_HOLD, HOLDS, NOT_COMPARABLE, verdict
+from experiments.claims import (
+    DOES_NOT_HOLD,
+    FORMULA_AGREES,
+    FORMULA_COLUMNS,
+    FORMULA_DISAGREES,
+    HOLDS,
+    NOT_COMPARABLE,
+    verdict,
+)
 from experiments.report import EXPERIMENTS, experiment_module, write_report
 from experiments.runner import (
     REQUIRED_SCALES,
@@ -266,8 +274,8 @@ def test_zero_memory_report_verdicts(tmp_path):
     assert comm[0][2:4] == ("2Φ", "2Φ") and comm[0][-1] == HOLDS
     # zero3: bf16 all-gather Φ·4 bytes = 2Φ elements + fp32 reduce-scatter Φ = 3Φ.
     assert comm[1][2:4] == ("3Φ", "3Φ") and comm[1][-1] == HOLDS
-    figure1 = _rows(tables, "Figure 1: 7.5B parameters on 64 ranks")
-    assert [r[-1] for r in figure1] == [HOLDS] * 4
+    figure1 = _rows(tables, "Figure 1: 7.5B parameters on 64 ranks (derived: arithmetic, no run)")
+    assert [r[-1] for r in figure1] == [FORMULA_AGREES] * 4  # arithmetic: never "holds"
 
     report = write_report(sweep, log_wandb=False).read_text()
     assert "FAILED: error: the rank died" in report
@@ -296,14 +304,16 @@ def test_grad_accumulation_report_verdicts(tmp_path):
     assert loss[2][-1].startswith(NOT_COMPARABLE)
     memory = _rows(tables, "Gradient memory against k")
     assert [r[-1] for r in memory[:2]] == [HOLDS, DOES_NOT_HOLD]
-    counter = _rows(tables, "Counter-example: the per-micro-batch mean")
-    # per k: ours is the Trainer's step-1 loss against k=1's: k=2's is 1e-5 off (its
-    # normalisation would be wrong: does not hold), k=4's equal (holds), k=8 failed; the
-    # mean of micro-batch means on the fixed example never holds.
-    ours, old = counter[0::2], counter[1::2]
+    # per k: the Trainer's step-1 loss against k=1's: k=2's is 1e-5 off (its normalisation
+    # would be wrong: does not hold), k=4's equal (holds), k=8 failed; the mean of
+    # micro-batch means on the fixed example is derived, and disagrees at every k.
+    ours = _rows(tables, "The Trainer's step-1 loss against one batch")
     assert [r[-1] for r in ours[:2]] == [DOES_NOT_HOLD, HOLDS]
     assert ours[0][2] == "1.00001" and ours[2][-1].startswith(NOT_COMPARABLE)
-    assert [r[-1] for r in old] == [DOES_NOT_HOLD] * 3
+    title = "Counter-example: the per-micro-batch mean on a fixed example"
+    old = _rows(tables, f"{title} (derived: arithmetic, no run)")
+    assert [r[1][:4] for r in old] == ["k=2:", "k=4:", "k=8:"]
+    assert [r[-1] for r in old] == [FORMULA_DISAGREES] * 3
 
 
 def test_activation_recompute_report_on_cpu(tmp_path):
@@ -336,7 +346,12 @@ def test_activation_recompute_report_on_cpu(tmp_path):
     tables = experiment_module("activation_recompute").report(load_jobs(sweep))
     memory = _rows(tables, "Activation bytes per layer")
     by_claim = {(r[0], r[1].split(",")[0]): r[-1] for r in memory}
-    assert by_claim[("our_formula", "none")] == HOLDS  # measured = our formula, exactly
+    assert "our_formula" not in {r[0] for r in memory}  # our formula has its own table
+    formula = next(t for t in tables if t.title.endswith("against our formula"))
+    assert formula.columns == FORMULA_COLUMNS
+    ours = {r[1]: r[-1] for r in formula.rows}
+    assert ours["none"] == HOLDS  # measured = our formula, exactly
+    assert ours["selective"] == DOES_NOT_HOLD  # 99·s·b·h measured
     assert by_claim[("full_bytes", "full")] == HOLDS  # 2·s·b·h
     assert by_claim[("selective_bytes", "selective")] == DOES_NOT_HOLD  # 99 vs 34 s·b·h
     overhead = _rows(tables, "Step-time overhead over none")
@@ -436,9 +451,11 @@ def test_parallel_strategies_report_verdicts(tmp_path):
         ("pp_saving", "pp, N=4", "0.5"),
     ]
     assert [r[-1] for r in memory[3:5]] == [HOLDS, HOLDS]
-    # The MoE row's sweeps come after: not run yet.
-    assert [r[0] for r in memory[5:]] == ["moe_activated", "moe_states"]
-    assert all("did not run" in r[-1] for r in memory[5:])
+    # The MoE row's sweeps come after: not run yet; against our formula, in its own table.
+    assert len(memory) == 5
+    moe_memory = _rows(tables, "Expert parallel (MoE) memory against our formula")
+    assert [r[0] for r in moe_memory] == ["moe_activated", "moe_states"]
+    assert all("did not run" in r[-1] for r in moe_memory)
     comm = _rows(tables, "Communication against DDP")
     assert comm[0][2] == "1" and comm[0][-1] == DOES_NOT_HOLD  # "medium" yet DDP's volume
     assert [(r[0], r[2], r[-1]) for r in comm[2:4]] == [
@@ -515,8 +532,13 @@ def test_parallel_strategies_moe_row_verdicts(tmp_path):
     _job(follow, 3, ["layout=ddp_dp4"], cfg("ddp", 1), summary(states=10_000))
     ep4 = round(10_000 * (1 - share * 3 / 4))
     _job(follow, 4, ["layout=ddp_dp4_ep4"], cfg("ddp", 4), summary(states=ep4))
-    memory, comm = moe.rows(load_jobs(sweep))
-    assert [(r[0], r[-1]) for r in memory] == [("moe_activated", HOLDS), ("moe_states", HOLDS)]
+    memory = moe.formula_table(load_jobs(sweep))
+    assert memory.columns == FORMULA_COLUMNS  # our formula, not the articles' figure
+    assert [(r[0], r[-1]) for r in memory.rows] == [
+        ("moe_activated", HOLDS),
+        ("moe_states", HOLDS),
+    ]
+    comm = moe.comm_rows(load_jobs(sweep))
     assert comm[0][0] == "moe_comm" and comm[0][2] == "1.01" and comm[0][-1] == DOES_NOT_HOLD
 
 
@@ -1248,7 +1270,8 @@ def test_fp8_report_verdicts(tmp_path):
     assert underflow["tensorwise"] == ("0 (largest fraction 0)",) * 3
     assert underflow["deepseek"][2] == "24 (largest fraction 0.0003)"
 
-    memory = {r[1].split(" ")[0]: r[-1] for r in _rows(tables, "Activation bytes per layer")}
+    title = "Activation bytes per layer against our formula"
+    memory = {r[1].split(" ")[0]: r[-1] for r in _rows(tables, title)}
     assert memory == {
         "bf16": HOLDS, "tensorwise": HOLDS, "rowwise": HOLDS, "deepseek": DOES_NOT_HOLD,
         "fp32": HOLDS,
