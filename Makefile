@@ -11,10 +11,10 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv train test test-slow test-gpu test-slurm gpu-pass gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline experiments clean
+.PHONY: help venv venv211 train test test-slow test-gpu test-slurm gpu-pass gpu-stamp gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline experiments clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt requirements-test.txt constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,19 @@ $(STAMP): requirements.txt requirements-test.txt constraints.txt pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP) ## create .venv with the pinned requirements (torch held by constraints.txt)
+
+# torch 2.11 beside the pinned one, for op_sac's 2.11-only path (tests/test_private_apis.py,
+# docs/torch_versions.md): PyPI's torch 2.11.0 is its CUDA 13 build (about 5 GB with its CUDA
+# libraries, no pip cache kept) and runs on CPU. The other pins are only what that test imports.
+VENV211 := .cache/venv211
+TORCH211_WITH := hydra-core|omegaconf|numpy|psutil|tokenizers|xxhash|pytest|pytest-timeout
+$(VENV211)/.installed: requirements.txt
+	$(PYTHON) -m venv --clear $(VENV211)
+	$(VENV211)/bin/python -m pip install -q --no-cache-dir torch==2.11.0 \
+		$$(grep -E '^($(TORCH211_WITH))==' requirements.txt | cut -d' ' -f1)
+	touch $@
+
+venv211: $(VENV211)/.installed ## .cache/venv211: torch 2.11 for the slow test of op_sac's 2.11 path
 
 train: $(STAMP) ## run the default training (small GPT, BPE, standard-library corpus)
 	$(PY) train.py $(ARGS)
@@ -48,8 +61,11 @@ OUT ?= outputs/gpu_pass
 gpu-pass: $(if $(filter $(PY),$(GPU_PY)),$(STAMP)) ## every GPU figure: PART=1|2 OUT=DIR (DRY=1: on CPU, tiny; RESUME=DIR: keep an earlier call's rows but REDO=NAMES)
 	$(GPU_PY) -m benchmarks.gpu_pass --part $(or $(PART),all) --out $(OUT) $(if $(DRY),--dry) $(if $(RESUME),--resume $(RESUME)) $(if $(REDO),--redo $(REDO))
 
-gpu-publish: $(STAMP) ## the GPU pass's tables into docs/ in place of "pending": OUT="DIR [DIR ...]"
-	$(PY) -m benchmarks.gpu_pass.publish --out $(OUT)
+gpu-stamp: $(STAMP) ## .gpu_pass_commit: the commit, dirty flag and file hashes, for a GPU copy of the tree without .git
+	$(PY) -m benchmarks.gpu_pass.provenance
+
+gpu-publish: $(STAMP) ## the GPU pass's tables into docs/: every record under docs/gpu_pass/, or OUT="DIR [DIR ...]"
+	$(PY) -m benchmarks.gpu_pass.publish $(if $(filter command line environment,$(origin OUT)),--out $(OUT))
 
 gpu-wheels: $(STAMP) ## .whl/: the wheels the GPU pass needs that a sealed GPU image lacks (requirements-gpu.txt)
 	$(PY) -m benchmarks.gpu_pass.wheels

@@ -1,25 +1,30 @@
 """The GPU pass (benchmarks/gpu_pass) without a GPU: its dry run covers every section with
 the packages it must do without blocked; the runner survives a section that fails or hangs
-and keeps what a cut-short section finished; publish writes the docs' blocks and nothing
-else; the wheel list and the README's device line hold to their limits; the attention
-section's FLOP count and reference are exact."""
+and keeps what a cut-short section finished; every record names its commit and each
+section's digest, and --resume keeps rows only where the digest holds; publish writes the
+docs' blocks and nothing else, refuses a dirty tree's record and labels one of unknown
+commit; no goal is met with nothing measured; the wheel list and the README's device line
+hold to their limits; the attention section's FLOP count and reference are exact."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.gpu_pass import __main__ as runner
-from benchmarks.gpu_pass import publish, wheels
+from benchmarks.gpu_pass import provenance, publish, wheels
 from benchmarks.gpu_pass.attention import allowed_pairs, doc_ids, reference
-from benchmarks.gpu_pass.report import load
+from benchmarks.gpu_pass.common import NOT_MEASURED
+from benchmarks.gpu_pass.report import goal_line, load
 from benchmarks.gpu_pass.sections import SECTIONS, Section
 from llm.attention import attention
 
@@ -37,7 +42,7 @@ def _blocked_packages(root: Path) -> Path:
     return root
 
 
-# About a minute (every section's process, nine of them): the slow suite keeps the fast one
+# About a minute (every section's process, ten of them): the slow suite keeps the fast one
 # under 15 minutes; the runner's own tests below stay fast.
 @pytest.mark.slow
 def test_dry_run_runs_every_section_without_the_packages_a_gpu_image_lacks(tmp_path):
@@ -62,6 +67,10 @@ def test_dry_run_runs_every_section_without_the_packages_a_gpu_image_lacks(tmp_p
         assert all(g["met"] is not False for g in entry["result"]["goals"]), name
     md = (out / "gpu_pass.md").read_text()
     assert all(f"#### {s.name}:" in md for s in SECTIONS)
+    # The record names the commit and, per section, the digest of the files it read.
+    assert set(record["provenance"]["digests"]) == {s.name for s in SECTIONS}
+    assert "tests/test_gpu.py" in record["sections"]["gpu_tests"]["provenance"]["files"]
+    assert "conf/config.yaml" in record["sections"]["estimator"]["provenance"]["files"]
     # The sections that needed a blocked package say so instead of failing.
     notes = " ".join(record["sections"]["optimizers"]["result"]["notes"])
     assert "adamw8bit: not run" in notes
@@ -73,11 +82,13 @@ def _section(module: str) -> Section:
 
 def test_a_section_past_its_limit_is_killed_and_keeps_its_rows(tmp_path):
     with (tmp_path / "log").open("w") as log:
-        status, seconds, result = runner.run_section(
+        status, seconds, result, modules = runner.run_section(
             _section("tests.gpu_pass_fakes.slow"), dry=True, limit=8, log=log
         )
     assert status.startswith("timed out after 8") and "kept" in status
     assert result["rows"] == [{"x": 1}]
+    # What it had imported by its last checkpoint names the files its rows depend on.
+    assert "tests/gpu_pass_fakes/slow.py" in modules
     assert seconds < 60
 
 
@@ -94,11 +105,15 @@ def test_a_failing_section_is_reported_and_the_next_one_runs(tmp_path, monkeypat
     assert "Failed: broken." in (tmp_path / "gpu_pass.md").read_text()
 
 
-def _fake_run(status="ok", rows=({"x": 1},)):
+def _fake_run(status="ok", rows=({"x": 1},), modules=(), earlier=None):
+    """A run_section that runs nothing; ``earlier`` collects the rows --resume hands it."""
+
     def run_section(section, dry, limit, log, earlier_rows=None):
+        if earlier is not None:
+            earlier.append(earlier_rows)
         result = {"title": section.name, "shapes": "-", "columns": ["x"], "rows": list(rows),
                   "goals": [], "notes": []}  # fmt: skip
-        return status, 1.0, result
+        return status, 1.0, result, list(modules)
 
     return run_section
 
@@ -190,6 +205,103 @@ def test_resumed_cuda_tests_that_passed_are_not_run_again(tmp_path, monkeypatch)
     assert rows[ids[1]]["outcome"] == "passed" and "earlier" not in rows[ids[1]]
 
 
+def _git(root: Path, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def test_a_run_names_its_commit_and_each_sections_files(tmp_path, monkeypatch):
+    """A dry run of a real section process: the record names git's HEAD and whether the
+    tree had changes, and the section's digest covers the repository files it imported."""
+    monkeypatch.setattr(
+        runner, "selected", lambda part, only: [_section("tests.gpu_pass_fakes.quick")]
+    )
+    assert runner.main(["--dry", "--out", str(tmp_path)]) == 0
+    record = load(tmp_path)
+    prov, entry = record["provenance"], record["sections"]["quick"]["provenance"]
+    assert prov["sha"] == _git(REPO, "rev-parse", "HEAD") and prov["source"] == "git"
+    assert isinstance(prov["dirty"], bool)
+    assert {"tests/gpu_pass_fakes/quick.py", "benchmarks/gpu_pass/common.py"} <= set(entry["files"])
+    assert all(h is not None and not f.startswith(".venv") for f, h in entry["files"].items())
+    assert entry["digest"] == provenance.digest(entry["files"]) == prov["digests"]["quick"]
+    assert f"From commit {prov['sha'][:12]}" in (tmp_path / "gpu_pass.md").read_text()
+
+
+def _resume_tree(tmp_path, monkeypatch) -> tuple[Path, list]:
+    """A repository of one file, ``a.py``, that a fake section imports; returns the tree and
+    the list where the fake section collects the rows --resume hands it."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.py").write_text("A = 1\n")
+    monkeypatch.setattr(runner, "REPO", tree)
+    monkeypatch.setattr(runner, "selected", lambda part, only: [_section("fake.quick")])
+    handed: list = []
+    monkeypatch.setattr(runner, "run_section", _fake_run(modules=["a.py"], earlier=handed))
+    runner.main(["--dry", "--out", str(tmp_path / "first")])
+    return tree, handed
+
+
+def test_resume_keeps_rows_whose_digest_holds_and_drops_the_others(tmp_path, monkeypatch, capsys):
+    tree, handed = _resume_tree(tmp_path, monkeypatch)
+    first = load(tmp_path / "first")
+    assert first["sections"]["quick"]["provenance"]["files"] == {
+        "a.py": provenance.file_hash(tree / "a.py")
+    }
+    runner.main(["--dry", "--out", str(tmp_path / "same"), "--resume", str(tmp_path / "first")])
+    assert handed[-1] == [{"x": 1}]  # the same file: the earlier rows are kept
+    (tree / "a.py").write_text("A = 2\n")
+    runner.main(["--dry", "--out", str(tmp_path / "changed"), "--resume", str(tmp_path / "first")])
+    assert handed[-1] == []
+    line = f"--resume {tmp_path / 'first'}: quick's 1 rows dropped: its files changed since: a.py"
+    assert line in capsys.readouterr().out
+
+
+def test_resume_drops_the_rows_of_a_record_that_names_no_digest(tmp_path, monkeypatch, capsys):
+    _, handed = _resume_tree(tmp_path, monkeypatch)
+    legacy = load(tmp_path / "first")
+    del legacy["sections"]["quick"]["provenance"]  # as the records before provenance
+    (tmp_path / "first" / "gpu_pass.json").write_text(json.dumps(legacy))
+    runner.main(["--dry", "--out", str(tmp_path / "o"), "--resume", str(tmp_path / "first")])
+    assert handed[-1] == []
+    assert "quick's 1 rows dropped: its record names no digest" in capsys.readouterr().out
+
+
+def test_a_stamp_carries_the_commit_to_a_copy_without_git_and_a_changed_copy_is_refused(tmp_path):
+    repo, copy = tmp_path / "repo", tmp_path / "copy"
+    repo.mkdir()
+    (repo / "a.py").write_text("A = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "a.py")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    (repo / "b.py").write_text("B = 1\n")  # untracked, not ignored: it travels, and is a change
+    stamp = provenance.stamp(repo)
+    assert stamp["sha"] == _git(repo, "rev-parse", "HEAD") and stamp["dirty"] is True
+    assert set(stamp["files"]) == {"a.py", "b.py"}
+    # The stamp itself leaves the tree as clean or dirty as it was.
+    (repo / "b.py").unlink()
+    assert provenance.current(repo).dirty is False
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git"))
+    (copy / "b.py").write_text("B = 1\n")
+    tree = provenance.current(copy)
+    assert (tree.sha, tree.dirty, tree.source) == (stamp["sha"], True, provenance.STAMP_NAME)
+    (copy / "a.py").write_text("A = 2\n")
+    with pytest.raises(SystemExit, match=r"1 files changed since it was written \(first: a\.py\)"):
+        provenance.current(copy)
+    (copy / provenance.STAMP_NAME).unlink()
+    assert provenance.current(copy).record() == {
+        "sha": None, "dirty": None, "source": None, "note": "no git and no stamp where it ran"
+    }  # fmt: skip
+
+
+def test_a_file_a_section_read_that_the_stamp_does_not_list_makes_the_record_dirty():
+    tree = provenance.Tree("d" * 40, False, provenance.STAMP_NAME, {"a.py"})
+    record = {"sections": {"quick": {"provenance": provenance.section_files([], ())}}}
+    assert runner.record_provenance(record, tree)["dirty"] is False
+    record["sections"]["quick"]["provenance"]["files"]["new.py"] = "0"
+    prov = runner.record_provenance(record, tree)
+    assert prov["dirty"] is True and "new.py" in prov["note"]
+
+
 def test_limits_scale_and_override(tmp_path):
     a = runner.parse(["--limit-scale", "0.5", "--limit", "attention=42"])
     got = runner.limits(SECTIONS, a)
@@ -199,7 +311,7 @@ def test_limits_scale_and_override(tmp_path):
         runner.limits(SECTIONS, runner.parse(["--limit", "nope=3"]))
 
 
-def _record(out: Path, sections: dict, dry: bool = False) -> None:
+def _record(out: Path, sections: dict, dry: bool = False, sha=None, dirty=None) -> None:
     env = {"device": "NVIDIA H200", "torch": "2.11.0", "cuda": "13.0", "triton": "3.6.0",
            "date": "2026-11-26"}  # fmt: skip
     entries = {
@@ -210,8 +322,11 @@ def _record(out: Path, sections: dict, dry: bool = False) -> None:
                    "rows": [{"x": v} for v in rows], "goals": [], "notes": []}}
         for name, rows in sections.items()
     }  # fmt: skip
+    note = {} if sha else {"note": provenance.UNKNOWN_NOTE}
+    record = {"env": env, "dry": dry, "provenance": {"sha": sha, "dirty": dirty, **note},
+              "sections": entries}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_pass.json").write_text(json.dumps({"env": env, "dry": dry, "sections": entries}))
+    (out / "gpu_pass.json").write_text(json.dumps(record))
 
 
 def _docs(root: Path) -> None:
@@ -227,7 +342,7 @@ def _docs(root: Path) -> None:
 
 def test_publish_replaces_each_block_and_nothing_else(tmp_path):
     _docs(tmp_path)
-    _record(tmp_path / "run1", {"attention": [1, 2], "estimator": [3]})
+    _record(tmp_path / "run1", {"attention": [1, 2], "estimator": [3]}, sha="a" * 40, dirty=False)
     _record(tmp_path / "run2", {"attention": [7], "estimator": None})
     pages = publish.publish([tmp_path / "run1", tmp_path / "run2"], root=tmp_path)
     assert pages == ["docs/attention.md", "docs/recompute.md"]
@@ -237,14 +352,16 @@ def test_publish_replaces_each_block_and_nothing_else(tmp_path):
     assert text.startswith("# docs/attention.md\nbefore attention\n<!-- gpu-pass:attention -->")
     assert text.endswith("<!-- /gpu-pass:attention -->\nafter attention\n")
     assert "NVIDIA H200" in text and "2026-11-26" in text
+    # Each block names the record its figures came from, and that record's commit.
+    assert "Record: `run2`, commit unknown: recorded before records named their commit." in text
     recompute = (tmp_path / "docs/recompute.md").read_text()
     # A later entry without rows does not replace one with rows; an unrun section stays.
-    assert "| 3 |" in recompute
+    assert "| 3 |" in recompute and f"Record: `run1`, commit {'a' * 12}.\n" in recompute
     assert "<!-- gpu-pass:recompute -->\npending\n" in recompute
     assert "pending" in (tmp_path / "docs/benchmarks.md").read_text()
 
 
-def test_publish_refuses_a_missing_block_and_a_dry_record(tmp_path):
+def test_publish_refuses_a_missing_block_a_dry_record_and_a_dirty_tree(tmp_path):
     _docs(tmp_path)
     (tmp_path / "docs/attention.md").write_text("no block here\n")
     _record(tmp_path / "run", {"attention": [1]})
@@ -253,11 +370,46 @@ def test_publish_refuses_a_missing_block_and_a_dry_record(tmp_path):
     _record(tmp_path / "dry", {"attention": [1]}, dry=True)
     with pytest.raises(SystemExit, match="a dry run's record"):
         publish.publish([tmp_path / "dry"], root=tmp_path)
+    # A dirty record among clean ones: refused in one line before any page is written.
+    _docs(tmp_path)
+    before = (tmp_path / "docs/recompute.md").read_text()
+    _record(tmp_path / "clean", {"estimator": [1]}, sha="b" * 40, dirty=False)
+    _record(tmp_path / "dirty", {"attention": [1]}, sha="b" * 40, dirty=True)
+    with pytest.raises(SystemExit, match="uncommitted changes") as refused:
+        publish.publish([tmp_path / "clean", tmp_path / "dirty"], root=tmp_path)
+    assert "\n" not in str(refused.value.code)
+    assert (tmp_path / "docs/recompute.md").read_text() == before
 
 
-def test_the_docs_hold_every_block_publish_writes():
-    for name, page in publish.PAGES.items():
-        assert publish.block(name).search((REPO / page).read_text()), (name, page)
+def test_every_section_has_a_page_and_its_block_is_there():
+    for section in SECTIONS:
+        page = publish.PAGES[section.name]
+        assert publish.block(section.name).search((REPO / page).read_text()), (section, page)
+
+
+def test_publish_over_every_committed_record_runs_clean_and_matches_the_docs(tmp_path):
+    """`make gpu-publish` with no OUT: every record under docs/gpu_pass/, oldest first; a
+    section none holds is pending. The docs as committed are its output."""
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    records = publish.committed(tmp_path)
+    assert records and [r.name for r in records] == sorted(r.name for r in records)
+    pages = publish.publish(records, root=tmp_path, pending=True)
+    assert set(pages) == {publish.PAGES[s.name] for s in SECTIONS}
+    for page in pages:
+        assert (tmp_path / page).read_text() == (REPO / page).read_text(), page
+    for record in records:  # each names its commit, or says it is unknown
+        prov = load(record)["provenance"]
+        assert prov["dirty"] is False or (prov["sha"] is None and prov["note"]), record
+
+
+def test_publish_with_no_record_of_a_section_leaves_it_pending(tmp_path):
+    _docs(tmp_path)
+    _record(tmp_path / "docs/gpu_pass/2026-01-01-a", {"attention": [1]}, sha="c" * 40, dirty=False)
+    publish.publish(publish.committed(tmp_path), root=tmp_path, pending=True)
+    inference = (tmp_path / "docs/inference.md").read_text()
+    for name in ("inference", "quantization"):
+        assert f"<!-- gpu-pass:{name} -->\n{publish.PENDING}<!-- /gpu-pass" in inference
+    assert "| 1 |" in (tmp_path / "docs/attention.md").read_text()
 
 
 def test_the_wheel_list_is_pinned_and_leaves_out_what_the_pass_does_without(tmp_path):
@@ -300,3 +452,63 @@ def test_attention_reference_is_masked_attention():
 
     want = attention(q, k, v, causal=True, backend="eager", docs=Documents(ids))
     torch.testing.assert_close(reference(q, k, v, ids).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _goals_of(section: str, rows: list[dict]) -> list[dict]:
+    """The goals section ``section`` judges on ``rows`` as a GPU run (not dry) would."""
+    from benchmarks.gpu_pass import attention, estimator, gpu_tests, model_step, recompute
+
+    goals = {
+        "attention": lambda: attention._result(rows, [], [], dry=False).goals,
+        "estimator": lambda: [estimator._goal(rows, [], dry=False)],
+        "gpu_tests": lambda: [gpu_tests._goal(rows, dry=False)],
+        "model_step": lambda: model_step._goals(rows, dry=False),
+        "recompute": lambda: [recompute._goal(rows, dry=False)],
+    }[section]()
+    return [asdict(g) for g in goals]
+
+
+GOAL_SECTIONS = ["attention", "estimator", "gpu_tests", "model_step", "recompute"]
+
+
+@pytest.mark.parametrize("section", GOAL_SECTIONS)
+def test_no_goal_is_met_with_nothing_measured(section):
+    goals = _goals_of(section, [])
+    assert goals and all(g["met"] is None and g["value"] == NOT_MEASURED for g in goals)
+    assert all(goal_line(g).endswith(": not measured") for g in goals)
+
+
+def _attention_row(backend: str, tflops: float, **more) -> dict:
+    return {"backend": backend, "head_dim": 128, "seq_len": 2048, "docs": False,
+            "fwd_tflops": tflops, "fwd_bwd_tflops": tflops, **more}  # fmt: skip
+
+
+MISSED = {
+    "attention": [_attention_row("triton", 90.0, accurate=False),
+                  _attention_row("sdpa:flash", 100.0, accurate=True)],
+    "estimator": [{"error_pct": 10.0}],
+    "gpu_tests": [{"test": "t::a", "outcome": "passed"}, {"test": "t::b", "outcome": "failed"}],
+    "model_step": [
+        {"impl": i, "compile": c, "mfu_pct": 20.0, "tokens_per_s": t}
+        for c in (False, True) for i, t in (("ours", 100.0), ("transformers", 110.0))
+    ],
+    "recompute": [{"policy": "selective", "overhead_pct": 9.0}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("section", GOAL_SECTIONS)
+def test_each_goal_is_missed_where_its_figures_miss_it(section):
+    goals = _goals_of(section, MISSED[section])
+    measured = [g for g in goals if g["value"] != NOT_MEASURED]
+    assert measured and all(g["met"] is False for g in measured), goals
+
+
+def test_attention_accuracy_is_judged_only_on_rows_that_were_checked():
+    rows = [_attention_row("triton", 110.0), _attention_row("sdpa:flash", 100.0)]
+    goal = _goals_of("attention", rows)[-1]  # kept rows from before the check
+    assert goal["met"] is None and goal["value"] == NOT_MEASURED
+    rows[0]["accurate"] = True
+    goal = _goals_of("attention", rows)[-1]
+    assert goal["met"] is None and goal["value"].endswith("not checked: sdpa:flash")
+    rows[1]["accurate"] = True
+    assert _goals_of("attention", rows)[-1]["met"] is True

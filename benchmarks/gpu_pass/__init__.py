@@ -5,8 +5,9 @@ section of the part in its own process, with a time limit, so a section that fai
 or runs out of memory is reported and the next one still runs. ``--dry`` runs every
 section's code path on the CPU at tiny sizes (a fast test in ``make test``). Sections write
 rows and goals (llm-independent JSON); the runner writes ``gpu_pass.json`` and
-``gpu_pass.md`` under DIR, and ``python -m benchmarks.gpu_pass.publish --out DIR``
-(``make gpu-publish``) puts the tables into the docs in place of "pending".
+``gpu_pass.md`` under DIR, naming the commit it ran from (``provenance``), and ``python -m
+benchmarks.gpu_pass.publish`` (``make gpu-publish``) puts the tables of every record under
+docs/gpu_pass/ into the docs in place of "pending".
 """
 
 import sys

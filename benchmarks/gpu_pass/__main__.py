@@ -7,8 +7,11 @@ what finished). A second part run into the same DIR joins the first's record. Ev
 section's output goes to DIR/gpu_pass.log. ``--resume`` names earlier records of the same
 device: the sections that sweep (attention, the CUDA tests) keep their rows and measure only
 the rest, so a short call finishes what an earlier one ran out of time for; ``--redo``
-names the backends (or tests) whose kept rows are measured again. Exit status 1 when a section failed or timed
-out; goals missed are reported, not failures.
+names the backends (or tests) whose kept rows are measured again. A section's rows are kept
+only where every file they depended on is unchanged (the section's digest); the others are
+dropped, one line each saying why. The record names the commit it ran from, whether the
+tree had changes, and each section's digest (benchmarks/gpu_pass/provenance.py). Exit
+status 1 when a section failed or timed out; goals missed are reported, not failures.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.gpu_pass import provenance
 from benchmarks.gpu_pass.common import EARLIER_ENV, LIMIT_ENV, PARTIAL_ENV, environment
 from benchmarks.gpu_pass.report import LOG_NAME, load, markdown, save
 from benchmarks.gpu_pass.sections import DRY_LIMIT_S, Section, selected
@@ -30,9 +34,10 @@ from benchmarks.gpu_pass.sections import DRY_LIMIT_S, Section, selected
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _child_env(limit: float, partial: Path) -> dict:
+def _child_env(limit: float, tmp: Path) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    env[LIMIT_ENV], env[PARTIAL_ENV] = str(limit), str(partial)
+    env[LIMIT_ENV], env[PARTIAL_ENV] = str(limit), str(tmp / "partial.json")
+    env[provenance.DEPS_ENV] = str(tmp / "modules.json")
     # Compiles land in known folders (the Makefile sets the same ones).
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "inductor"))
     env.setdefault("TRITON_CACHE_DIR", str(REPO / ".cache" / "triton"))
@@ -50,9 +55,24 @@ def earlier(records: list[dict], name: str, redo: set[str]) -> list[dict]:
     return rows
 
 
+def unchanged(record: dict, where: str) -> dict:
+    """``record`` less the sections whose files changed since it ran (or that name no
+    digest), one line printed for each section dropped."""
+    kept = {}
+    for name, entry in record["sections"].items():
+        why = provenance.changed_since(entry, REPO)
+        if why is None:
+            kept[name] = entry
+        else:
+            rows = len((entry.get("result") or {}).get("rows", []))
+            print(f"gpu pass: --resume {where}: {name}'s {rows} rows dropped: {why}", flush=True)
+    return {**record, "sections": kept}
+
+
 def resumed(dirs: list[str], env: dict, dry: bool) -> list[dict]:
     """The records ``--resume`` names, refused in one line where one is missing or comes
-    from another device or mode (its figures would mix machines)."""
+    from another device or mode (its figures would mix machines); of each, the sections
+    whose files are unchanged."""
     records = []
     for d in dirs:
         record = load(Path(d))
@@ -64,17 +84,19 @@ def resumed(dirs: list[str], env: dict, dry: bool) -> list[dict]:
                 f"{' (dry)' if record.get('dry') else ''}, not this {env['device']}"
                 f"{' (dry)' if dry else ''}; resume only a record of the same device and mode"
             )
-        records.append(record)
+        records.append(unchanged(record, d))
     return records
 
 
 def run_section(
     section: Section, dry: bool, limit: float, log, earlier_rows: list[dict] | None = None
-) -> tuple[str, float, dict | None]:
-    """(status, seconds, result) of one section run in a fresh process group."""
+) -> tuple[str, float, dict | None, list[str]]:
+    """(status, seconds, result, the repository files its process imported) of one section
+    run in a fresh process group."""
     with tempfile.TemporaryDirectory() as tmp:
         out_json, partial = Path(tmp) / "result.json", Path(tmp) / "partial.json"
-        env = _child_env(limit, partial)
+        modules = Path(tmp) / "modules.json"
+        env = _child_env(limit, Path(tmp))
         if earlier_rows:
             (Path(tmp) / "earlier.json").write_text(json.dumps(earlier_rows))
             env[EARLIER_ENV] = str(Path(tmp) / "earlier.json")
@@ -94,11 +116,13 @@ def run_section(
             proc.wait()
             rows = json.loads(partial.read_text()) if partial.exists() else None
             kept = " (the rows it finished are kept)" if rows else ""
-            return f"timed out after {limit} s{kept}", time.monotonic() - start, rows
-        seconds = time.monotonic() - start
-        if code != 0 or not out_json.exists():
-            return f"failed (exit {code}; see {LOG_NAME})", seconds, None
-        return "ok", seconds, json.loads(out_json.read_text())
+            status, result = f"timed out after {limit} s{kept}", rows
+        else:
+            done = code == 0 and out_json.exists()
+            status = "ok" if done else f"failed (exit {code}; see {LOG_NAME})"
+            result = json.loads(out_json.read_text()) if done else None
+        files = json.loads(modules.read_text()) if modules.exists() else []
+        return status, time.monotonic() - start, result, files
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -137,6 +161,18 @@ def limits(sections: list[Section], a: argparse.Namespace) -> dict[str, float]:
     return out
 
 
+def record_provenance(record: dict, tree: provenance.Tree) -> dict:
+    """The record's provenance: the tree's commit, and each section's digest. Where the
+    commit comes from a stamp, a file a section read that the stamp does not list (added
+    after it was written) makes the tree dirty."""
+    sections = {name: entry["provenance"] for name, entry in record["sections"].items()}
+    out = {**tree.record(), "digests": {name: p["digest"] for name, p in sections.items()}}
+    new = sorted({f for p in sections.values() for f in p["files"]} - (tree.stamped or set()))
+    if tree.stamped is not None and new:
+        out.update(dirty=True, note=f"files not in {provenance.STAMP_NAME}: {', '.join(new[:3])}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     sections = selected(a.part, a.only)
@@ -144,10 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
+    tree = provenance.current(REPO, skip=(out,))
     records = resumed(a.resume, env, a.dry)
     record = load(out)
-    # A record from another device or mode is not joined: its figures would mix machines.
-    if record.get("env", {}).get("device") != env["device"] or record.get("dry") != a.dry:
+    # A record from another device, mode or tree is not joined: its figures would mix them.
+    commit = {k: record.get("provenance", {}).get(k) for k in ("sha", "dirty")}
+    if (
+        record.get("env", {}).get("device") != env["device"]
+        or record.get("dry") != a.dry
+        or tree.sha is None
+        or commit != {"sha": tree.sha, "dirty": tree.dirty}
+    ):
         record = {"sections": {}}
     record.update(env=env, dry=a.dry)
     redo = {n.strip() for n in a.redo.split(",") if n.strip()}
@@ -156,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     with (out / LOG_NAME).open("a") as log:
         for section in sections:
             print(f"gpu pass: {section.name} (part {section.part}) ...", flush=True)
-            status, seconds, result = run_section(
+            status, seconds, result, modules = run_section(
                 section, a.dry, limit[section.name], log, earlier(records, section.name, redo)
             )
             record["sections"][section.name] = {
@@ -167,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 "command": f"python -m benchmarks.gpu_pass --only {section.name}{flags}",
                 "env": env,
                 "result": result,
+                "provenance": provenance.section_files(modules, section.data, REPO),
             }
+            record["provenance"] = record_provenance(record, tree)
             save(out, record)
             print(f"gpu pass: {section.name}: {status} ({seconds:.0f} s)", flush=True)
     print(markdown(record))

@@ -14,15 +14,24 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils import benchmark
 
+from benchmarks.gpu_pass.provenance import write_module_files
+
+NOT_MEASURED = "not measured"
+
 
 @dataclass
 class Goal:
-    """A target the issue sets; ``met`` is None where it is not judged (``value`` says why)."""
+    """A target the issue sets; ``met`` is None where it is not judged (``value`` says why:
+    NOT_MEASURED where nothing it needs was measured). A goal is never met on no figures."""
 
     name: str
     target: str
     value: str
     met: bool | None
+
+    @classmethod
+    def unmeasured(cls, name: str, target: str) -> Goal:
+        return cls(name, target, NOT_MEASURED, None)
 
 
 @dataclass
@@ -67,14 +76,15 @@ def earlier_rows() -> list[dict]:
 
 
 def checkpoint(result: Result) -> None:
-    """Write the rows so far where the runner reads them if the section runs out of time
-    (GPU_PASS_PARTIAL_JSON); a no-op outside the runner."""
+    """Write the rows so far, and the files imported so far, where the runner reads them if
+    the section runs out of time (GPU_PASS_PARTIAL_JSON); a no-op outside the runner."""
     path = os.environ.get(PARTIAL_ENV)
     if path:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(result.to_json(), f)
         os.replace(tmp, path)  # never a half-written file
+        write_module_files()
 
 
 def deadline(reserve_s: float) -> float:

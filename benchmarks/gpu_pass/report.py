@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.gpu_pass.common import fmt
+from benchmarks.gpu_pass.common import NOT_MEASURED, fmt
 
 JSON_NAME, MD_NAME, LOG_NAME = "gpu_pass.json", "gpu_pass.md", "gpu_pass.log"
 
@@ -21,9 +21,20 @@ def save(out: Path, record: dict) -> None:
     (out / MD_NAME).write_text(markdown(record))
 
 
-def _goal_line(goal: dict) -> str:
+def goal_line(goal: dict) -> str:
+    head = f"- {goal['name']} (goal: {goal['target']})"
+    if goal["met"] is None and goal["value"] == NOT_MEASURED:
+        return f"{head}: {NOT_MEASURED}"
     verdict = {True: "**met**", False: "**missed**", None: "not judged"}[goal["met"]]
-    return f"- {goal['name']} (goal: {goal['target']}): {goal['value']}: {verdict}"
+    return f"{head}: {goal['value']}: {verdict}"
+
+
+def commit_line(record: dict) -> str:
+    """The commit a record ran from, or why it is unknown."""
+    prov = record.get("provenance") or {}
+    if not prov.get("sha"):
+        return f"commit unknown: {prov.get('note') or 'the record names none'}"
+    return f"commit {prov['sha'][:12]}" + (" with uncommitted changes" if prov.get("dirty") else "")
 
 
 def _short(note: str, limit: int = 400) -> str:
@@ -50,7 +61,7 @@ def section_markdown(name: str, entry: dict) -> str:
     ]
     if result:
         lines += ["", f"Shapes: {result['shapes']}.", "", table(result["columns"], result["rows"])]
-        lines += [_goal_line(g) for g in result["goals"]]
+        lines += [goal_line(g) for g in result["goals"]]
         lines += [f"- {_short(note)}" for note in result["notes"]]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -67,6 +78,8 @@ def markdown(record: dict) -> str:
     ]
     head = [
         "# GPU pass",
+        "",
+        f"From {commit_line(record)}.",
         "",
         f"Sections run: {', '.join(sections) or 'none'}. Failed: {', '.join(failed) or 'none'}. "
         f"Goals missed: {'; '.join(missed) or 'none'}.",

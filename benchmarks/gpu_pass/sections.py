@@ -7,6 +7,10 @@ limits come from the first GPU calls (H200, 2026-11-26): the model step's four r
 113 s and the whole attention sweep 219 s; the CUDA tests need about 9 minutes (each 16-bit
 Triton test autotunes its own shape, about 40 s), more than their limit, so a second call
 with ``--resume`` finishes them without rerunning those that passed.
+
+``data`` names (as globs) the repository files a section reads besides the modules its
+process imports: the estimator composes conf/'s yaml; the CUDA tests run pytest in a process
+of their own, over the tests, the package they test and its configuration.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ class Section:
     part: int
     limit_s: int  # on the GPU; the dry run has its own, smaller limit
     module: str  # its run(dry) -> Result, started by benchmarks.gpu_pass.section
+    data: tuple[str, ...] = ()  # globs of the files it reads beside its imports
 
 
+CONF = ("conf/**/*.yaml",)
+PYTEST = ("tests/**/*.py", "llm/**/*.py", "train.py", "pyproject.toml", *CONF)
 SECTIONS = [
     Section("model_step", 1, 150, "benchmarks.gpu_pass.model_step"),
     Section("attention", 1, 270, "benchmarks.gpu_pass.attention"),
-    Section("gpu_tests", 2, 200, "benchmarks.gpu_pass.gpu_tests"),
-    Section("estimator", 2, 90, "benchmarks.gpu_pass.estimator"),
+    Section("gpu_tests", 2, 200, "benchmarks.gpu_pass.gpu_tests", PYTEST),
+    Section("estimator", 2, 90, "benchmarks.gpu_pass.estimator", CONF),
     Section("recompute", 2, 45, "benchmarks.gpu_pass.recompute"),
     Section("optimizers", 2, 45, "benchmarks.gpu_pass.optimizers"),
     Section("fp8", 2, 130, "benchmarks.gpu_pass.fp8"),
