@@ -42,13 +42,15 @@ reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 
 
 class CommCounter:
-    """Payload bytes per collective kind since the last ``take()``."""
+    """Payload bytes per collective kind since the last ``take()``, added while ``on``."""
 
-    def __init__(self) -> None:
+    def __init__(self, on: bool = True) -> None:
         self._sent: Counter[str] = Counter()
+        self.on = on
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
-        self._sent[kind] += tensor.numel() * tensor.element_size()
+        if self.on:
+            self._sent[kind] += tensor.numel() * tensor.element_size()
 
     def take(self) -> dict[str, int]:
         sent, self._sent = dict(self._sent), Counter()

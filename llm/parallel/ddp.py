@@ -61,7 +61,7 @@ class DDPStrategy(SingleStrategy):
         # hooks divide in place too: the bucket is overwritten by the result anyway).
         payload = buffer.to(self.precision.reduce_dtype)
         payload.div_(dist.get_world_size(group))
-        if self.cfg.count_comm:
+        if self.counting:
             # The payload each rank hands to the all-reduce (ring traffic is 2(N-1)/N of it).
             self._sent["all_reduce"] += payload.numel() * payload.element_size()
         fut = dist.all_reduce(payload, group=group, async_op=True).get_future()
@@ -74,7 +74,7 @@ class DDPStrategy(SingleStrategy):
         with super().micro_batch(sync) if sync else self.model.no_sync():
             yield
         if sync and self.experts:
-            self.experts.reduce_grads(count=self.cfg.count_comm)
+            self.experts.reduce_grads(count=self.counting)
 
     def comm(self) -> dict[str, int]:
         sent, self._sent = self._sent, Counter()

@@ -306,6 +306,11 @@ class DeepSpeedStrategy:
             totals[kind] += sent * (self.dims.dp_size if shard else 1)
         return totals
 
+    def count_comm(self, on: bool) -> None:
+        """Log the collectives of the steps to come or not (the logger syncs after each to
+        time it); only ever on with parallelism.count_comm."""
+        ds_comm.comms_logger.enabled = on and self.cfg.count_comm
+
     def comm(self) -> dict[str, int]:
         """Payload bytes per collective kind since the last call: the full-size tensor each
         collective operates on, per rank (an all-gather counts its output, a reduce-scatter

@@ -214,7 +214,11 @@ class FSDPStrategy(SingleStrategy):
         self.model.set_requires_gradient_sync(sync)
         yield
         if sync and self.experts:
-            self.experts.reduce_grads(count=self.cfg.count_comm)
+            self.experts.reduce_grads(count=self.counting)
+
+    def count_comm(self, on: bool) -> None:
+        super().count_comm(on)
+        self.counter.on = on  # FSDP2's collectives and the shard layout's go through it
 
     def comm(self) -> dict[str, int]:
         experts = self.experts.take_sent() if self.experts else {}

@@ -85,6 +85,8 @@ class Strategy(Protocol):
 
     def memory(self) -> dict[str, int]: ...
 
+    def count_comm(self, on: bool) -> None: ...
+
     def comm(self) -> dict[str, int]: ...
 
 
@@ -108,6 +110,9 @@ class StrategyBase:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._mesh_counter: MeshCommCounter | None = None
+        # Whether collectives are counted now: with parallelism.count_comm the Trainer turns
+        # it on for probe steps only (llm/train/probes.py), never for timed ones.
+        self.counting = cfg.count_comm
         self.schedule: Pipeline | None = None
         # Elements per quantisation block of the optimizer to come (8-bit AdamW: 256), so
         # that a strategy that cuts parameters cuts them at block boundaries; set before wrap
@@ -135,16 +140,23 @@ class StrategyBase:
     def loss_context(self, training: bool = True) -> AbstractContextManager:
         """Where the forward, the loss and (``training``) the backward run: under tensor
         parallel the logits stay vocab-sharded and cross-entropy runs on the shards
-        (``loss_parallel``), and with parallelism.count_comm a training step's DTensor
+        (``loss_parallel``), and on a counted step (``count_comm``) a training step's DTensor
         collectives are counted by mesh dimension (``tp_comm()``)."""
         stack = contextlib.ExitStack()
         if self.dims.tp_size > 1:
             stack.enter_context(loss_parallel())
-            if training and self.cfg.count_comm:
+            if training and self.counting:
                 if self._mesh_counter is None:
                     self._mesh_counter = MeshCommCounter(self.dims.mesh, MESH_DIMS)
                 stack.enter_context(self._mesh_counter)
         return stack
+
+    def count_comm(self, on: bool) -> None:
+        """Count the collectives of the steps to come (``on``) or not; counting costs time
+        at every collective (under tensor parallel at every op)."""
+        self.counting = on
+        if self.schedule is not None:
+            self.schedule.counting = on
 
     def tp_comm(self) -> dict[str, int]:
         """Bytes of the DTensor collectives counted since the last call (tensor parallel),

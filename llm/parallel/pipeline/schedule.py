@@ -110,6 +110,7 @@ class Pipeline:
         ]
         self.has_first = any(s.is_first for s in self.stages)
         self._sent: dict[str, int] = {}
+        self.counting = count_comm  # then set per step by the strategy's count_comm()
         if count_comm:
             for stage in self.stages:
                 stage.get_fwd_send_ops = self._counted(stage.get_fwd_send_ops, "activations")
@@ -188,7 +189,7 @@ class Pipeline:
 
         def counted(chunk: int) -> list:
             ops = get_ops(chunk)
-            if ops:  # the first stage sends no gradients, the last no activations
+            if ops and self.counting:  # the first stage sends no gradients, the last no activations
                 sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
                 self._sent[key] = self._sent.get(key, 0) + sent
             return ops

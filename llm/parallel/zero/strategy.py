@@ -257,7 +257,7 @@ class ZeroStrategy(StrategyBase):
             if self._sync:
                 self.reducer.finish()
             if sync and self.experts:
-                self.experts.reduce_grads(count=self.cfg.count_comm)
+                self.experts.reduce_grads(count=self.counting)
         finally:
             if release and self.gatherer is not None:
                 self.gatherer.free_all()
@@ -389,7 +389,7 @@ class ZeroStrategy(StrategyBase):
 
     # ---- accounting and checkpoints ---------------------------------------------------
     def _count(self, kind: str, payload: torch.Tensor) -> None:
-        if self.cfg.count_comm:  # opt-in: off while timing
+        if self.counting:  # probe steps of a run with parallelism.count_comm
             self._sent[kind] += payload.numel() * payload.element_size()
 
     def comm(self) -> dict[str, int]:
