@@ -50,13 +50,15 @@ SHARDS = {
         "tests/test_generate_layouts.py",
         "tests/test_fp8_strategies.py",
     ],
-    # Training runs: the README's commands, optimizers under strategies, recompute, precision,
-    # compile, the estimator and the experiments (about 25 min).
+    # Training runs: the README's commands, optimizers under strategies, recompute (with
+    # op_sac under torch 2.11: about 2 min, and 2 more to install it the first time),
+    # precision, compile, the estimator and the experiments (about 27 min).
     "training": [
         "tests/test_optim_strategies.py",
         "tests/test_readme.py",
         "tests/test_slow.py",
         "tests/test_recompute_strategies.py",
+        "tests/test_private_apis.py",
         "tests/test_bf16_parity.py",
         "tests/test_triton_compile.py",
         "tests/test_estimate.py",
