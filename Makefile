@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv venv211 train test test-slow test-gpu test-slurm gpu-pass gpu-stamp gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline experiments clean
+.PHONY: help venv venv211 train test test-slow test-gpu test-slurm gpu-pass gpu-stamp gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline profile experiments clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -66,6 +66,7 @@ gpu-stamp: $(STAMP) ## .gpu_pass_commit: the commit, dirty flag and file hashes,
 
 gpu-publish: $(STAMP) ## the GPU pass's tables into docs/: every record under docs/gpu_pass/, or OUT="DIR [DIR ...]"
 	$(PY) -m benchmarks.gpu_pass.publish $(if $(filter command line environment,$(origin OUT)),--out $(OUT))
+	$(PY) -m llm.attention.choose --from docs/gpu_pass
 
 gpu-wheels: $(STAMP) ## .whl/: the wheels the GPU pass needs that a sealed GPU image lacks (requirements-gpu.txt)
 	$(PY) -m benchmarks.gpu_pass.wheels
@@ -91,6 +92,9 @@ bench-pipeline: $(STAMP) ## pipeline schedules: bubble, activations in flight, b
 
 bench-optimizers: $(STAMP) ## each optimizer's step time and state bytes, ours against library versions
 	$(PY) benchmarks/optimizers.py $(ARGS)
+
+profile: $(STAMP) ## where a training step's time goes: top ops, categories, host reads, Chrome trace (ARGS: train.py's overrides)
+	$(PY) -m benchmarks.profile_step $(ARGS)
 
 experiments: $(STAMP) ## run every small experiment, write each report and copy it to docs/experiments/
 	for name in $$($(PY) -m experiments list --names); do \

@@ -93,7 +93,9 @@ SDPA_KERNELS = ("auto", "flash", "efficient", "cudnn", "math")
 
 @dataclass
 class AttentionConfig:
-    backend: str = "sdpa"  # eager | sdpa | flash_attn | flex | triton | xformers (BACKENDS)
+    # auto (the fastest the committed GPU records show for this device and shape, else sdpa:
+    # llm/attention/auto.py) | eager | sdpa | flash_attn | flex | triton | xformers (BACKENDS)
+    backend: str = "auto"
     # sdpa only: torch picks (auto) or this kernel alone; one that cannot run is refused.
     sdpa_kernel: str = "auto"  # auto | flash | efficient | cudnn | math
     # Packed documents (data.packing=true) attend only inside themselves, causal inside.
@@ -393,7 +395,9 @@ class OptimizerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     momentum: float = 0.9  # sgd; muon's Nesterov momentum
-    fused: bool | None = None  # None: torch picks (adamw, sgd, muon's AdamW part)
+    # None: adamw and muon's AdamW part fused where torch has the kernel (CUDA, CPU params),
+    # else torch's foreach; sgd: torch picks. true/false are honoured where the kernel runs.
+    fused: bool | None = None
     # lamb: Adam's bias correction of both moments, and the bound on ||w|| in the trust ratio
     bias_correction: bool = True
     trust_clip: float = 10.0
@@ -470,9 +474,17 @@ class DataConfig:
     val_fraction: float = 0.02  # stdlib / files: share of files (one file: documents) held out
     val_samples: int = 256  # validation: the first N samples of the val split, whatever the batch
     cache_dir: str = "${oc.env:LLM_CACHE_DIR,.cache/llm}"  # tokenizers and token caches
+    # Training batches a background thread reads (and on CUDA pins) ahead of the step;
+    # 0 reads each one when the step asks for it (llm/data/prefetch.py).
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         _require_choice("data", "name", self.name, ("stdlib", "wikitext2", "wikitext103", "files"))
+        if self.prefetch < 0:
+            raise ConfigError(
+                f"data.prefetch={self.prefetch} must be >= 0; 0 reads each batch when the step "
+                "asks for it"
+            )
         _require_positive(
             "data",
             vocab_size=self.vocab_size,
@@ -564,6 +576,9 @@ class LauncherConfig:
         _require_choice("launcher", "backend", self.backend, ("auto", "gloo", "nccl"))
 
 
+FUSED_LOSSES = ("off", "chunked", "liger", "cce")
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 300  # the schedule's length
@@ -580,11 +595,19 @@ class TrainConfig:
     # Which steps probe memory (llm/train/probes.py): step 1 and the logged steps (default),
     # every other step, or the same steps without the peak tracker. A probe is never timed.
     memory_tracking: str = "logged"  # logged | alternate | off
+    # The loss with the LM head fused in, never holding the (B*T, V) fp32 logits at once
+    # (llm/train/loss.py): off (logits, then the loss), chunked (plain torch, any device),
+    # liger (Liger-Kernel) or cce (Apple's cut-cross-entropy), both Triton on CUDA.
+    fused_loss: str = "off"  # off | chunked | liger | cce
+    # chunked: rows of logits at a time, each chunk x V fp32 (plus its compute-dtype matmul
+    # output): 1024 rows of a 50k vocabulary are ~0.3 GB, 1/16 of a 16 x 1024 batch's.
+    fused_loss_chunk: int = 1024
 
     def __post_init__(self) -> None:
         _require_positive(
             "train",
             max_steps=self.max_steps,
+            fused_loss_chunk=self.fused_loss_chunk,
             micro_batch_size=self.micro_batch_size,
             grad_accum_steps=self.grad_accum_steps,
             log_every=self.log_every,
@@ -605,6 +628,7 @@ class TrainConfig:
         _require_choice(
             "train", "memory_tracking", self.memory_tracking, ("logged", "alternate", "off")
         )
+        _require_choice("train", "fused_loss", self.fused_loss, FUSED_LOSSES)
 
 
 @dataclass

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from llm.attention import resolve_for
 from llm.config import Config
 from llm.data import build_train_loader, build_val_loader, prepare_data, save_tokenizer
+from llm.data.prefetch import Prefetcher
 from llm.dist import RankEnv, gather_object, init_distributed
 from llm.errors import ConfigError
 from llm.logging import NullLogger, RunLogger
@@ -51,6 +53,7 @@ from llm.train.stop import StopRequested, stop_guard
 from llm.train.trainer import Trainer
 from llm.validate import model_args_for, precision_for, resolve_device
 
+CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parent.parent
 # Keys that name where or how a run is logged, not what it computes.
 _DIGEST_EXCLUDES = (
@@ -105,10 +108,16 @@ def hardware(device: torch.device) -> dict:
     return info
 
 
-def build_model_for(cfg: Config, vocab_size: int) -> tuple[Transformer, WeightSource]:
+def build_model_for(
+    cfg: Config,
+    vocab_size: int,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Transformer, WeightSource]:
     """The model on the meta device and where its initial weights come from: a Hugging Face
     directory (read slice by slice) or our seeded init. Under tensor parallel our init pads
-    the vocabulary to a multiple of tp_size."""
+    the vocabulary to a multiple of tp_size. Its attention is the configured backend, or
+    attention=auto's pick for ``device`` and ``dtype`` (what attention computes in)."""
     if cfg.model.init_from is not None:
         weights = HFSource(cfg.model.init_from)
         args = weights.args
@@ -118,7 +127,8 @@ def build_model_for(cfg: Config, vocab_size: int) -> tuple[Transformer, WeightSo
         args = dataclasses.replace(args, vocab_size=vocab)
         weights = InitSource(args, cfg.train.seed)
     a = cfg.attention
-    model = build_model(args, a.backend, a.sdpa_kernel, a.reset_positions)
+    chosen = resolve_for(a, args, device=device, dtype=dtype, seq_len=cfg.data.seq_len)
+    model = build_model(args, chosen.backend, chosen.kernel, a.reset_positions)
     return model, weights
 
 
@@ -198,8 +208,14 @@ def _train(
     if env.rank == 0:
         save_tokenizer(prepared.tokenizer, output_dir)  # llm.generate decodes with it
     tracker.begin("startup")  # model build, wrap and optimizer: one phase of the peak tracker
-    model, weights = build_model_for(cfg, prepared.tokenizer.vocab_size)
+    model, weights = build_model_for(
+        cfg, prepared.tokenizer.vocab_size, device, precision.compute_dtype
+    )
     args = model.args
+    # The same pick build_model_for made, kept for the log and the summary.
+    attention = resolve_for(
+        cfg.attention, args, device=device, dtype=precision.compute_dtype, seq_len=cfg.data.seq_len
+    )
     if args.vocab_size < prepared.tokenizer.vocab_size:
         raise ConfigError(
             f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
@@ -235,9 +251,11 @@ def _train(
     tracker.end()
     scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps)
 
-    train_loader = build_train_loader(
+    loader = build_train_loader(
         prepared, cfg.data, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size, cfg.train.seed
     )
+    # Read ahead on a thread; on CUDA pinned there, for the Trainer's asynchronous copy.
+    train_loader = Prefetcher(loader, cfg.data.prefetch, device if device.type == "cuda" else None)
     val_loader = build_val_loader(
         prepared, cfg.data, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size
     )
@@ -257,6 +275,8 @@ def _train(
         if env.rank == 0
         else NullLogger()
     )
+    if attention.requested == "auto":
+        logger.info(attention.why)
     if precision.fp8_emulated:
         logger.info(
             f"fp8: the {precision.fp8_recipe} recipe runs emulated (fp8 quantised and "
@@ -302,6 +322,7 @@ def _train(
             trainer.resume(path)
         summary = trainer.fit()
         summary.update(_run_facts(cfg, env, device, summary, args, dims, precision))
+        summary["attention"] = attention.summary()
         logger.summary(summary)
         return summary
     finally:

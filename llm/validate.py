@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from llm.attention import check_kernel, get_kernel
+from llm.attention import check_kernel, get_kernel, resolve_for
 from llm.config import Config
 from llm.data.tokenizer import ByteTokenizer
 from llm.errors import ConfigError
@@ -26,6 +26,7 @@ from llm.parallel.tensor_parallel import check_tensor_parallel, kv_replicated
 from llm.precision import resolve_precision
 from llm.precision.fp8 import convert_to_fp8
 from llm.train.checkpoint_files import META, list_checkpoints, step_of
+from llm.train.loss import unavailable as fused_loss_unavailable
 
 log = logging.getLogger(__name__)
 # Local CPU ranks per usable core beyond which a run is refused without
@@ -99,7 +100,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"data.seq_len={cfg.data.seq_len} exceeds model {cfg.model.name}'s max_seq_len="
             f"{args.max_seq_len}; lower data.seq_len or raise model.max_seq_len"
         )
-    get_kernel(cfg.attention.backend, cfg.attention.sdpa_kernel)
+    if cfg.attention.backend != "auto":  # auto resolves to a registered kernel
+        get_kernel(cfg.attention.backend, cfg.attention.sdpa_kernel)
     if cfg.model.freeze and cfg.model.init_from is None:
         freeze(build_model(args), cfg.model.freeze)  # on the meta device: names only
     device = resolve_device(cfg)
@@ -154,6 +156,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if tp > 1 and kv_replicated(args.n_kv_heads, tp):
         _announce_replicated_kv(args, tp)
     _validate_pipeline(cfg, args)
+    _validate_fused_loss(cfg, device)
     _validate_attention(cfg, args, precision.compute_dtype, device)
     _validate_recompute(cfg, device)
 
@@ -196,6 +199,26 @@ def _validate_pipeline(cfg: Config, args: ModelArgs) -> None:
         )
 
 
+def _validate_fused_loss(cfg: Config, device: torch.device) -> None:
+    """train.fused_loss: where the model's forward computes the loss (llm/train/loss.py)."""
+    name, p = cfg.train.fused_loss, cfg.parallelism
+    if name == "off":
+        return
+    if p.pp_size > 1:
+        raise ConfigError(
+            f"train.fused_loss={name} with parallelism.pp_size={p.pp_size}: the pipeline "
+            "schedule computes the loss from the last stage's logits; set train.fused_loss=off"
+        )
+    if p.tp_size > 1:
+        raise ConfigError(
+            f"train.fused_loss={name} with parallelism.tp_size={p.tp_size}: tensor parallel's "
+            "head leaves vocab-sharded logits to its vocab-parallel loss; set "
+            "train.fused_loss=off"
+        )
+    if reason := fused_loss_unavailable(name, device):
+        raise ConfigError(reason)
+
+
 def _validate_recompute(cfg: Config, device: torch.device) -> None:
     """Policies that need something outside their own group."""
     name = cfg.recompute.name
@@ -212,17 +235,19 @@ def _validate_recompute(cfg: Config, device: torch.device) -> None:
 
 
 def _validate_attention(cfg: Config, args: ModelArgs, dtype: torch.dtype, device) -> None:
-    """The attention kernel against what it declares it supports, for this model, precision
-    and device (attention sees q, k, v in the compute dtype); training needs its backward."""
+    """The attention kernel (attention=auto's pick) against what it declares it supports, for
+    this model, precision and device (attention sees q, k, v in the compute dtype); training
+    needs its backward."""
     a = cfg.attention
     if a.document_mask and not cfg.data.packing:
         raise ConfigError(
             "attention.document_mask=true keeps packed documents apart, but data.packing=false "
             "puts one document per sample; set data.packing=true or document_mask=false"
         )
+    chosen = resolve_for(a, args, device=device, dtype=dtype, seq_len=cfg.data.seq_len)
     check_kernel(
-        a.backend,
-        a.sdpa_kernel,
+        chosen.backend,
+        chosen.kernel,
         device=device.type,
         dtype=dtype,
         head_dim=args.head_dim,

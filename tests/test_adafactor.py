@@ -1,5 +1,5 @@
-"""Our Adafactor (llm/optim/adafactor.py) against torch.optim.Adafactor, bit for bit, and
-against transformers' Adafactor to rounding, step by step in one process."""
+"""Our Adafactor (llm/optim/adafactor.py) against torch.optim.Adafactor and transformers'
+Adafactor to rounding, step by step in one process."""
 
 from __future__ import annotations
 
@@ -33,9 +33,11 @@ def _run(make, steps: int = 12) -> list[list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("lr", [1e-2, 0.3])
-def test_ours_equals_torch_bit_for_bit(lr):
+def test_ours_equals_torch_to_rounding(lr):
     """lr 0.3: the relative step is 1/sqrt(t) until t > 11, then lr; weight decay on the
-    matrices only, as our param groups set it."""
+    matrices only, as our param groups set it. Every scalar is torch's to the bit; the last
+    multiply-add differs by an fp32 rounding: torch's takes its factor as a host number (a
+    fused multiply-add), ours as a device tensor (no host read per parameter)."""
 
     def groups(params):
         return [
@@ -49,7 +51,7 @@ def test_ours_equals_torch_bit_for_bit(lr):
     )
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         for x, y in zip(a, b, strict=True):
-            assert torch.equal(x, y), step
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"step {step}")
 
 
 def test_ours_matches_transformers_to_rounding():

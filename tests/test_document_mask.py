@@ -129,7 +129,10 @@ def test_every_cpu_backend_gives_eagers_loss_with_the_mask(monkeypatch, backend,
             ["attention=sdpa", "attention.sdpa_kernel=cudnn"],
             "sdpa_kernel=cudnn does not run on cpu",
         ),
-        (["attention.sdpa_kernel=flash", "model.dropout=0.1"], "has no attention dropout"),
+        (
+            ["attention=sdpa", "attention.sdpa_kernel=flash", "model.dropout=0.1"],
+            "has no attention dropout",
+        ),
     ],
 )
 def test_impossible_attention_configs_are_refused_before_ranks(

@@ -82,10 +82,15 @@ def test_optimizer_kinds_and_hyperparameters():
     assert sgd.defaults["momentum"] == 0.5 and sgd.defaults["nesterov"] is False
 
 
-def test_fused_is_passed_on_cpu_and_default_otherwise():
+def test_adamw_is_fused_by_default_where_torch_has_the_kernel():
+    """fused=None: fused on CPU (and CUDA); false is honoured; params where the kernel
+    cannot run (meta) get torch's own choice. sgd keeps torch's default."""
     model = TinyLM()
+    assert build_optimizer(model, OptimizerConfig(fused=None)).defaults["fused"] is True
     assert build_optimizer(model, OptimizerConfig(fused=True)).defaults["fused"] is True
-    assert not build_optimizer(model, OptimizerConfig(fused=None)).defaults["fused"]
+    assert build_optimizer(model, OptimizerConfig(fused=False)).defaults["fused"] is False
+    assert not build_optimizer(TinyLM().to("meta"), OptimizerConfig()).defaults["fused"]
+    assert not build_optimizer(model, OptimizerConfig(name="sgd")).defaults["fused"]
 
 
 def test_unknown_optimizer_lists_registered_names():

@@ -12,6 +12,7 @@ import llm.train.fp8_watch as fp8_watch
 from llm.config import TrainConfig
 from llm.errors import ConfigError
 from llm.memory.live import LiveStorages, OpOutputs
+from llm.parallel.strategy import StrategyBase
 from llm.train.probes import ProbeSchedule
 from llm.train.trainer import Trainer
 from tests.helpers import read_metrics, run
@@ -79,7 +80,16 @@ def instrument_calls(monkeypatch):
         finally:
             current["step"] = 0
 
+    count_comm = StrategyBase.count_comm
+
+    def comm_counting(self, on):
+        # Called by train_step before the step: the step it decides for is already current.
+        if on:
+            calls[current["step"]]["comm_counting"] += 1
+        return count_comm(self, on)
+
     monkeypatch.setattr(Trainer, "train_step", step_of)
+    monkeypatch.setattr(StrategyBase, "count_comm", comm_counting)
     monkeypatch.setattr(
         OpOutputs, "__torch_dispatch__", counted("dispatch", OpOutputs.__torch_dispatch__)
     )
@@ -106,8 +116,9 @@ def instrument_calls(monkeypatch):
             ("precision=fp8_tensorwise", "precision.fp8_stats_every=4", "train.log_every=2"),
             ProbeSchedule("logged", 2, 8, fp8_every=4),
         ),
+        (("parallelism.count_comm=true", "train.log_every=1"), ProbeSchedule("logged", 1, 8)),
     ],
-    ids=["logged-every-step", "alternate", "logged-every-3rd", "fp8-stats"],
+    ids=["logged-every-step", "alternate", "logged-every-3rd", "fp8-stats", "count-comm"],
 )
 def test_a_timed_step_runs_no_instrument(
     tmp_path, text_corpus, cache_dir, instrument_calls, extra, schedule
@@ -121,6 +132,7 @@ def test_a_timed_step_runs_no_instrument(
         assert c["dispatch"] > 0 and c["resize_patch"] == 1  # the peak tracker
         assert c["saved_tensor_hook"] > 0 and c["state_walk"] == 1
         assert c["fp8_stats"] == schedule.records_fp8(s)
+        assert c["comm_counting"] == ("parallelism.count_comm=true" in extra)
     assert summary["timed_steps"] == 8 - len(expected) and summary["probe_steps"] == len(expected)
     # Each line says whether it probed; its timings come from timed steps only, and a probe
     # line's memory figures from that step.

@@ -7,8 +7,11 @@ chosen by ``attention.sdpa_kernel``), flash_attn (the package), flex (FlexAttent
 compiled), triton (our FlashAttention-2 kernel) and xformers (xFormers'
 memory_efficient_attention, the package). Each declares what it supports
 (:mod:`llm.attention.support`); :func:`check_kernel` refuses the rest in one line.
+``attention=auto`` (:func:`resolve`) picks the fastest that the committed GPU records show
+and that can run here (:mod:`llm.attention.auto`).
 """
 
+from llm.attention.auto import Choice, resolve, resolve_for
 from llm.attention.documents import Documents
 from llm.attention.registry import (
     BACKENDS,
@@ -23,10 +26,13 @@ from llm.attention.support import Support
 __all__ = [
     "BACKENDS",
     "AttentionKernel",
+    "Choice",
     "Documents",
     "Support",
     "attention",
     "check_kernel",
     "get_kernel",
     "register_backend",
+    "resolve",
+    "resolve_for",
 ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llm.attention import Choice, resolve_for
 from llm.config import Config
 from llm.errors import ConfigError
 from llm.estimate.activations import estimate_activations, outside_by_stage
@@ -91,6 +92,19 @@ class StageRows:
         return sum(self.device.values())
 
 
+def estimate_attention(cfg: Config, args) -> Choice:
+    """The attention kernel the estimate is for: the configured one, or attention=auto's pick
+    for estimate.device (this machine's GPU where it has one; else auto's fallback, sdpa)."""
+    policy = estimate_policy(cfg.precision.name, cfg.estimate.device, cfg.precision.fp8_recipe)
+    return resolve_for(
+        cfg.attention,
+        args,
+        device=torch.device(cfg.estimate.device),
+        dtype=policy.compute_dtype,
+        seq_len=cfg.data.seq_len,
+    )
+
+
 def estimate_policy(name: str, device: str, fp8_recipe: str = "tensorwise") -> PrecisionPolicy:
     """The precision policy ``name`` would resolve to on ``device``, without that device
     here: the dtypes are what matter (auto is bf16 on CUDA, tf32 keeps fp32 tensors), and
@@ -136,13 +150,14 @@ def estimate(cfg: Config, args) -> Estimate:
     pp = par.pp_size
     micro_batch = cfg.train.micro_batch_size // (par.microbatches if pp > 1 else 1)
     stream = activation_policy(policy, par.name)
+    attention = estimate_attention(cfg, args)
     acts = estimate_activations(
         args,
         micro_batch,
         cfg.data.seq_len,
         stream,
-        backend=cfg.attention.backend,
-        sdpa_kernel=cfg.attention.sdpa_kernel,
+        backend=attention.backend,
+        sdpa_kernel=attention.kernel,
         device=e.device,
         recompute=name,
         every=cfg.recompute.every,
@@ -212,7 +227,8 @@ def _add_gathered(states: RankStates, roots, model, cfg: Config, policy, heads, 
 def meta_model(cfg: Config, args, pp_rank: int | None = None):
     """The model on the meta device, frozen as ``model.freeze`` says; with ``pp_rank`` that
     pipeline rank's part, split before freezing as llm.run splits it."""
-    model = build_model(args, cfg.attention.backend, cfg.attention.sdpa_kernel)
+    attention = estimate_attention(cfg, args)
+    model = build_model(args, attention.backend, attention.kernel)
     if pp_rank is not None:
         pipe = PipelineLayout.from_config(cfg.parallelism, args.n_layers)
         model = PipelinePart(model, pipe, pp_rank)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from llm.config import Config, pp_schedule_problem
 from llm.errors import ConfigError
 from llm.estimate.cluster import Cluster
-from llm.estimate.estimator import estimate_policy
+from llm.estimate.estimator import estimate_attention, estimate_policy
 from llm.estimate.layout import Layout
 from llm.estimate.layout_estimate import LayoutEstimate, Workload, estimate_layout
 from llm.models import ModelArgs
@@ -106,7 +106,7 @@ def plan(cfg: Config, args: ModelArgs) -> list[LayoutEstimate]:
         seq=cfg.data.seq_len,
         policy=estimate_policy(cfg.precision.name, cfg.estimate.device, cfg.precision.fp8_recipe),
         optimizer=cfg.optimizer,
-        backend=cfg.attention.backend,
+        backend=estimate_attention(cfg, args).backend,
         device=cfg.estimate.device,
     )
     rows = [estimate_layout(work, lay, cluster) for lay in layouts(cfg, args, cluster, batch)]

@@ -76,9 +76,11 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, d_hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(n, d_model, d_hidden))
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """x (M, d): the tokens of expert 0, then of expert 1, ... (``counts`` (n,) of each);
-        returns (M, d) in the same order."""
+    def forward(self, x: Tensor, counts: Tensor, host_counts: list[int] | None = None) -> Tensor:
+        """x (M, d): the tokens of expert 0, then of expert 1, ... (``counts`` (n,) of each,
+        ``host_counts`` the same on the host where the caller has read them already);
+        returns (M, d) in the same order. The grouped kernel takes the counts on the device;
+        the loop reads them on the host where they were not given."""
         dtype = _compute_dtype(x)
         x = x.to(dtype)
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
@@ -87,7 +89,7 @@ class Experts(nn.Module):
             h = F.silu(_grouped(x, w1, offs)) * _grouped(x, w3, offs)
             return _grouped(h, w2, offs)
         out, start = [], 0
-        for e, count in enumerate(counts.tolist()):
+        for e, count in enumerate(counts.tolist() if host_counts is None else host_counts):
             xe = x[start : start + count]
             out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
             start += count
@@ -107,6 +109,12 @@ def _grouped(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     if out.requires_grad:  # its backward refuses a broadcast gradient (stride 0), as sum()'s
         out.register_hook(torch.Tensor.contiguous)
     return out
+
+
+def _count(experts: Tensor, n: int) -> Tensor:
+    """Assignments per expert, (n,) int64: bincount's, without its host read (CUDA's
+    bincount reads the largest value to size its output)."""
+    return experts.new_zeros(n).index_add_(0, experts, torch.ones_like(experts))
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -171,12 +179,12 @@ class MoE(nn.Module):
         route = self.router(h)
         flat = route.experts.reshape(-1)  # (N k,): token-major, slot-minor
         n_experts = self.moe.n_experts
-        mine = torch.bincount(flat, minlength=n_experts)  # this rank's assignments
+        mine = _count(flat, n_experts)  # this rank's assignments
         total, before = self.exchange.count(mine)
         order = torch.argsort(flat, stable=True)  # by expert, then token, then slot
         if self.moe.capacity_factor is not None:
             order = self._within_capacity(flat, order, mine, total, before)
-        counts = torch.bincount(flat[order], minlength=n_experts)
+        counts = _count(flat[order], n_experts)
         token = order // self.moe.top_k
         y = self.exchange.run(self.experts, h[token], counts)  # (M, d)
         weights = route.weights.reshape(-1)[order]

@@ -2,10 +2,14 @@
 
 The layout is a contract with parallel/ and recompute/: ``tok_embeddings``, ``layers`` (each
 :class:`Block` maps (B, T, d) -> (B, T, d) and is the unit of recompute and FSDP wrapping),
-``norm``, ``output``, and for GPT-2 ``pos_embeddings``.
+``norm``, ``output``, and for GPT-2 ``pos_embeddings``. ``forward(..., head=fn)`` hands
+the normed hidden states and ``output.weight`` to ``fn`` (a fused loss) instead of running
+``output``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -78,10 +82,19 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        doc_ids: Tensor | None = None,
+        head: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ) -> Tensor:
         """input_ids (B, T) int64 -> logits (B, T, V) in the compute dtype (the trainer upcasts
         for the loss, so fp32 logits are not materialised twice). ``doc_ids`` (B, T): the
-        packed document of each token; given, attention stays inside documents."""
+        packed document of each token; given, attention stays inside documents. ``head``:
+        returns ``head(hidden (B, T, d) after the final norm, output.weight (V, d))`` in
+        place of the logits (a fused loss, llm/train/loss.py); called here, inside forward,
+        so that wrappers gathering or hooking parameters around forward (FSDP2's root, our
+        ZeRO-3, DDP) see the head weight used as the output projection would use it."""
         t = input_ids.size(1)
         if t > self.args.max_seq_len:
             raise ConfigError(
@@ -98,7 +111,10 @@ class Transformer(nn.Module):
         h = self.dropout(h)
         for layer in self.layers:
             h = layer(h, docs, positions)
-        return self.output(self.norm(h))  # (B, T, V)
+        h = self.norm(h)
+        if head is not None:
+            return head(h, self.output.weight)
+        return self.output(h)  # (B, T, V)
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:

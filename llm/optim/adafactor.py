@@ -18,8 +18,9 @@ instead of n m), a full vector for 1-D parameters, and a 4-byte ``step``; no mom
 Ours, as LAMB is, because every reduction above is over a whole parameter (the row and
 column means, RMS(w), RMS(U)) and torch's step computes them inside, where a sharded
 strategy cannot insert a collective. On whole tensors it follows torch's single-tensor step
-operation for operation, so the two give the same bits, and transformers' ``Adafactor``
-with the same settings agrees to rounding (tests/test_adafactor.py). With a
+operation for operation, except that its step-size scalars are computed on the device (no
+host read per parameter), so the two agree to fp32 rounding, as transformers' ``Adafactor``
+with the same settings does (tests/test_adafactor.py). With a
 ``shard_layout`` (our ZeRO's flat pieces, FSDP's rows) the step is
 llm/optim/adafactor_sharded.py's: the same arithmetic, its reductions summed over ranks.
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from llm.optim.adafactor_sharded import sharded_step
+from llm.optim.adafactor_sharded import sharded_step, step_scalars
 from llm.optim.shard_layout import ShardLayout
 
 
@@ -95,10 +96,9 @@ class Adafactor(torch.optim.Optimizer):
         if eps1 is None:
             eps1 = torch.finfo(p.dtype).eps
         state["step"] += 1
-        t = state["step"].item()
-        one_minus_beta2_t = t ** group["beta2_decay"]
-        rho_t = min(lr, 1 / (t**0.5))
-        alpha = max(eps2, p.norm(2).item() / (p.numel() ** 0.5)) * rho_t
+        beta, rho = step_scalars(state["step"], group, p.device)
+        one_minus_beta2_t = beta.to(p.dtype)
+        alpha = (p.norm(2).double() / (p.numel() ** 0.5)).clamp(min=eps2) * rho
         if wd != 0:
             p.mul_(1 - lr * wd)
         if grad.dim() > 1:
@@ -115,5 +115,5 @@ class Adafactor(torch.optim.Optimizer):
             var_estimate = variance.clone()
         update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
         update.mul_(grad)
-        denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
-        p.add_(update, alpha=-alpha / denom)
+        denom = (update.norm(2).double() / ((update.numel() ** 0.5) * d)).clamp(min=1.0)
+        p.add_(update.mul_((-alpha / denom).to(update.dtype)))

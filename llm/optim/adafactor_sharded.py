@@ -18,8 +18,6 @@ fp32 rounding, not bit for bit (tests/test_optim_strategies.py).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from llm.optim.shard_layout import ParamLayout, ShardLayout
@@ -98,8 +96,8 @@ def sharded_step(optimizer, layout: ShardLayout) -> None:
         updates.append((w, update, alpha, group, i, pl))
     u_squares = layout.all_reduce_sum(u_squares)
     for w, update, alpha, group, i, pl in updates:
-        rms = math.sqrt(u_squares[i].item() / pl.numel)
-        w.add_(update, alpha=-alpha / max(1.0, rms / group["d"]))
+        rms = (u_squares[i].double() / pl.numel).sqrt()
+        w.add_(update.mul_((-alpha / (rms / group["d"]).clamp(min=1.0)).to(update.dtype)))
 
 
 def _update(w, g, state, group, pl: ParamLayout, sums, segment, index):
@@ -108,11 +106,10 @@ def _update(w, g, state, group, pl: ParamLayout, sums, segment, index):
     eps1, eps2 = group["eps"]
     if eps1 is None:
         eps1 = torch.finfo(w.dtype).eps
-    t = state["step"].item()
-    one_minus_beta2_t = t ** group["beta2_decay"]
-    rho_t = min(lr, 1 / (t**0.5))
+    beta, rho_t = step_scalars(state["step"], group, w.device)
+    one_minus_beta2_t = beta.to(w.dtype)
     rows_at, cols_at, w_at = segment
-    alpha = max(eps2, math.sqrt(sums[w_at].item() / pl.numel)) * rho_t
+    alpha = (sums[w_at].double() / pl.numel).sqrt().clamp(min=eps2) * rho_t
     if wd != 0:
         w.mul_(1 - lr * wd)
     if index is None:
@@ -128,3 +125,13 @@ def _update(w, g, state, group, pl: ParamLayout, sums, segment, index):
         rows, cols, lead = index
         estimate = row_var[rows] * col_var[cols] / row_mean[lead]
     return estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(g), alpha
+
+
+def step_scalars(
+    step: torch.Tensor, group: dict, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 - beta2_t, rho_t) of step count ``step`` (a CPU tensor, as torch keeps it), 0-d
+    fp64 tensors on ``device``: the count goes there by a copy, which waits for nothing,
+    rather than to Python by a read per parameter."""
+    t = step.to(device, torch.float64, non_blocking=True)
+    return t.pow(group["beta2_decay"]), (1 / t.sqrt()).clamp(max=group["lr"])

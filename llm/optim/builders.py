@@ -27,24 +27,36 @@ from llm.optim.registry import (
 from llm.optim.sophia import SophiaG
 
 Groups = list[dict[str, Any]]
-# Device types whose params torch 2.13's fused AdamW/SGD kernels accept; elsewhere (meta,
-# anything exotic) `optimizer.fused` is ignored so one config runs on every machine.
+# Device types whose params torch 2.13's fused AdamW/SGD kernels accept (floating dtypes,
+# plain tensors and DTensors' local shards alike); elsewhere (meta, anything exotic)
+# `optimizer.fused` is ignored so one config runs on every machine.
 _FUSED_DEVICE_TYPES = ("cuda", "cpu")
 ADAM_STATE = per_element(8, step_bytes=4)  # exp_avg, exp_avg_sq (fp32) and an fp32 step
 BNB_QMAPS = 2 * 256 * 4  # its two quantisation maps (256 fp32 each), shared by all params
 
 
-def _fused_kwargs(groups: Groups, fused: bool | None) -> dict[str, bool]:
-    """``{"fused": fused}`` when the params live where the fused kernel runs, else ``{}`` (torch default)."""
-    devices = {p.device.type for g in groups for p in g["params"]}
-    if fused is None or not devices <= set(_FUSED_DEVICE_TYPES):
+def _fused_supported(groups: Groups) -> bool:
+    """Whether torch's fused kernel takes every param of ``groups``."""
+    params = [p for g in groups for p in g["params"]]
+    return all(p.device.type in _FUSED_DEVICE_TYPES and p.is_floating_point() for p in params)
+
+
+def _fused_kwargs(groups: Groups, fused: bool | None, default: bool | None) -> dict[str, bool]:
+    """``{"fused": ...}`` (``fused``, else ``default`` when ``fused`` is None) where the fused
+    kernel takes the params, else ``{}``: torch's own choice, foreach where it has it."""
+    fused = default if fused is None else fused
+    if fused is None or not _fused_supported(groups):
         return {}
     return {"fused": fused}
 
 
 def _adamw_kwargs(groups: Groups, cfg: OptimizerConfig) -> dict[str, Any]:
+    """Fused by default: one kernel per device and dtype, and the only torch AdamW that takes
+    ``found_inf`` (llm/parallel/step.py skips a non-finite step on the device with it) and
+    keeps its step counters on the params' device; torch's unfused CPU AdamW reads each
+    counter on the host (``.item()`` per param per step)."""
     return {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps} | _fused_kwargs(
-        groups, cfg.fused
+        groups, cfg.fused, default=True
     )
 
 
@@ -64,7 +76,7 @@ def _sgd(groups: Groups, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         lr=cfg.lr,
         momentum=cfg.momentum,
         nesterov=False,
-        **_fused_kwargs(groups, cfg.fused),
+        **_fused_kwargs(groups, cfg.fused, default=None),
     )
 
 

@@ -26,7 +26,6 @@ right for whole tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -91,7 +90,9 @@ class Lamb(torch.optim.Optimizer):
             if not params:
                 continue
             torch._foreach_add_(states["step"], 1.0)
-            t = states["step"][0].item()  # a CPU scalar, as torch's Adam keeps it: no device sync
+            # The counters stay on the host as torch's Adam keeps them; their value goes to
+            # the device (a copy there, which waits for nothing), not to Python.
+            t = states["step"][0].to(params[0].device, torch.float64, non_blocking=True)
             rows = [params, grads, states["exp_avg"], states["exp_avg_sq"]]
             limit = batch_elements(params[0].device)
             scale, eps = _bias_correction(group, t)
@@ -102,10 +103,10 @@ class Lamb(torch.optim.Optimizer):
                 if not adapt:  # biases and norm gains: a plain Adam step, no second pass
                     if group["weight_decay"]:
                         torch._foreach_mul_(p, 1.0 - group["lr"] * group["weight_decay"])
-                    torch._foreach_addcdiv_(p, m, denom, value=-group["lr"] * scale)
+                    torch._foreach_add_(p, _adam_direction(m, denom, -group["lr"] * scale))
                     continue
                 u = torch._foreach_mul(p, group["weight_decay"])
-                torch._foreach_addcdiv_(u, m, denom, value=scale)
+                torch._foreach_add_(u, _adam_direction(m, denom, scale))
                 norms = torch.stack(torch._foreach_norm([*p, *u], 2.0)).view(2, len(p))
                 index = torch.tensor([where[o] for o in owners], device=squares.device)
                 squares.index_add_(1, index, norms.float().pow(2))
@@ -116,20 +117,30 @@ class Lamb(torch.optim.Optimizer):
             squares = self.whole_param_squares(squares)
         w_norms, u_norms = squares.sqrt()
         # Pass 2: w <- w - lr * ratio * (wd * w + scale * m / denom), as one multiply of w
-        # and one addcdiv per piece, with the ratio folded into per-tensor scalars (a
-        # device-to-host copy of one float per parameter per step).
+        # and one multiply-add per piece, with the ratio folded into per-tensor factors that
+        # stay on the device (0-d tensors: no host read).
         for group, rows, where, scale, eps, limit in adapted:
             lr, wd = group["lr"], group["weight_decay"]
             ratios = _trust_ratios(
                 w_norms[where], u_norms[where], group["trust_clip"], group["eps"]
             )
-            ratios = ratios.tolist()
             for (p, _, m, v), owners in pieces(rows, limit):
+                ratio = ratios[torch.tensor(owners, device=ratios.device)]
                 denom = _denominator(v, eps)
                 if wd:
-                    torch._foreach_mul_(p, [1.0 - lr * wd * ratios[o] for o in owners])
-                torch._foreach_addcdiv_(p, m, denom, [-lr * scale * ratios[o] for o in owners])
+                    torch._foreach_mul_(p, list((1.0 - lr * wd * ratio).unbind()))
+                torch._foreach_add_(
+                    p, _adam_direction(m, denom, list((-lr * scale * ratio).unbind()))
+                )
         return loss
+
+
+def _adam_direction(m, denom, factor) -> list[torch.Tensor]:
+    """``factor * m / denom`` per tensor; ``factor`` a number or a device tensor, or one
+    0-d tensor per tensor (a device scalar cannot be an addcdiv's ``value``)."""
+    out = torch._foreach_div(m, denom)
+    torch._foreach_mul_(out, factor)
+    return out
 
 
 def _update_moments(m, v, g, betas) -> None:
@@ -139,14 +150,17 @@ def _update_moments(m, v, g, betas) -> None:
     torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
 
 
-def _bias_correction(group: dict, t: float) -> tuple[float, float]:
+def _bias_correction(
+    group: dict, t: torch.Tensor
+) -> tuple[float | torch.Tensor, float | torch.Tensor]:
     """(scale, eps') with m_hat / (sqrt(v_hat) + eps) = scale * m / (sqrt(v) + eps'): the
-    corrections folded into two scalars, so that no op runs over the tensors for them."""
+    corrections folded into two scalars, so that no op runs over the tensors for them;
+    0-d fp32 tensors on the device, from the step count ``t`` (fp64 there)."""
     if not group["bias_correction"]:
         return 1.0, group["eps"]
     beta1, beta2 = group["betas"]
-    root = math.sqrt(1.0 - beta2**t)
-    return root / (1.0 - beta1**t), group["eps"] * root
+    root = (1.0 - torch.pow(beta2, t)).sqrt()
+    return (root / (1.0 - torch.pow(beta1, t))).float(), (group["eps"] * root).float()
 
 
 def _denominator(v, eps: float) -> list[torch.Tensor]:

@@ -24,7 +24,8 @@ The engine is built from a ds_config generated from our groups (or a user's file
 - memory() (the steady-state model_state_bytes) is state_tensors()' bytes, except that
   DeepSpeed frees gradients inside step(), where every other strategy keeps them until
   zero_grad(): its grads are the most this rank held during the last step, sampled when
-  autograd finishes each backward (the tracker's moment) and after DeepSpeed's epilogue.
+  autograd finishes each backward (the tracker's moment) and after DeepSpeed's epilogue, on
+  the steps that measure (probes, ``measure()``) only.
 
 Under fp32 DeepSpeed does not check gradients for inf/nan (fp16 and bf16 do, and skip), so a
 non-finite step is applied; the monitor's stop_on_nan ends such a run.
@@ -151,6 +152,7 @@ class DeepSpeedStrategy:
         self.inner: torch.optim.Optimizer | None = None
         self._sent_before: Counter[str] = Counter()
         self._grad_bytes = self._step_grad_bytes = 0
+        self._measuring = True  # until the Trainer says per step (measure())
 
     # ---- building ---------------------------------------------------------------------
     def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
@@ -204,11 +206,17 @@ class DeepSpeedStrategy:
         # Tensor parallel is refused with DeepSpeed: the loss is plain cross-entropy.
         return contextlib.nullcontext()
 
+    def measure(self, on: bool) -> None:
+        self._measuring = on
+
     def backward(self, loss: torch.Tensor) -> None:
-        if loss.requires_grad:
+        # The gradient samples feed memory(), read on probe steps only: a hook and a walk
+        # over every gradient per micro-batch that other steps need not pay for.
+        if self._measuring and loss.requires_grad:
             loss.register_hook(self._count_grads_when_backward_ends)
         self.engine.backward(loss, scale_wrt_gas=False)
-        self._sample_grads()
+        if self._measuring:
+            self._sample_grads()
 
     def _count_grads_when_backward_ends(self, grad: torch.Tensor) -> torch.Tensor:
         # Autograd runs queued callbacks once every gradient of this backward exists, before

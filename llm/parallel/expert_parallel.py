@@ -92,25 +92,27 @@ class AllToAllExchange(DataParallelCounts):
         per_rank = counts.view(self.ep, self.local)  # what this rank sends each expert
         received = torch.empty_like(per_rank)  # (source rank, local expert)
         dist.all_to_all_single(received, per_rank.contiguous(), group=self.ep_group)
-        send = per_rank.sum(1).tolist()
-        recv = received.sum(1).tolist()
+        # The all-to-all takes its split sizes as host lists: one read per layer for all of
+        # them, the experts' row counts with them (a kernel without row offsets needs them).
+        on_host = torch.cat([per_rank.sum(1), received.sum(1), received.sum(0)]).tolist()
+        send, recv = on_host[: self.ep], on_host[self.ep : 2 * self.ep]
         rows = _AllToAll.apply(x, send, recv, self.ep_group, self.sent)
         # Received runs are (source, expert); the experts want (expert, source).
-        order = _regroup(received)
-        y = experts(rows[order], received.sum(0))
+        order = _regroup(received, sum(recv))
+        y = experts(rows[order], received.sum(0), on_host[2 * self.ep :])
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return _AllToAll.apply(y[back], recv, send, self.ep_group, self.sent)
 
 
-def _regroup(runs: Tensor) -> Tensor:
-    """Row order that turns runs laid out (source, expert) into (expert, source)."""
+def _regroup(runs: Tensor, total: int) -> Tensor:
+    """Row order that turns runs laid out (source, expert) into (expert, source); ``total``
+    rows in all (known on the host)."""
     sizes = runs.reshape(-1)
     starts = torch.cumsum(sizes, 0) - sizes
     by_expert = torch.arange(sizes.numel(), device=runs.device).view(runs.shape).t().reshape(-1)
     size, start = sizes[by_expert], starts[by_expert]
     new_start = torch.cumsum(size, 0) - size
-    total = int(sizes.sum())
     shift = torch.repeat_interleave(start - new_start, size, output_size=total)
     return torch.arange(total, device=runs.device) + shift
 
@@ -142,6 +144,8 @@ class ExpertShards:
         self.mesh = mesh
         self.ep = mesh["ep"].size()
         self.edp_group = mesh["edp"].get_group()
+        # Taken once: slicing the mesh builds a DeviceMesh, which reads its rank tensor.
+        self.edp = mesh["edp"].size()
         self.dp_size = dp_size
         self._ids = {id(p) for p in params.values()}
         self.sent: Counter[str] = Counter()
@@ -159,7 +163,7 @@ class ExpertShards:
             if param.grad is None:
                 continue
             param.grad.div_(self.dp_size)
-            if self.mesh["edp"].size() > 1:
+            if self.edp > 1:
                 dist.all_reduce(param.grad, group=self.edp_group)
                 if count:
                     self.sent["all_reduce"] += param.grad.numel() * param.grad.element_size()

@@ -100,6 +100,7 @@ class SingleStrategy(StrategyBase):
             self.nonfinite_grad_names,
             self.device,
             self.grad_replicas,
+            optimizer=self.optimizer,
         )
 
     def take_gradient_pass(self, extra: GradientPass, tokens: torch.Tensor) -> None:

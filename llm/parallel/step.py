@@ -3,9 +3,11 @@
 One all-reduce of the squared gradient norm finds both the clipping norm and overflow: an
 inf or nan on any rank or shard makes the sum non-finite everywhere, so every rank skips the
 same step without a second collective. Then unscale and clip in one pass (the clip
-coefficient a device tensor), step, and update the loss scaler. The step reads one value on
-the host, whether the norm is finite (``overflow_checked_step`` says why). A strategy composes this function with what it knows: which gradients it
-holds, how many ranks hold each element, and how to step.
+coefficient a device tensor), step, and update the loss scaler. Where the optimizer can skip
+a step on the device (torch's fused AdamW, given ``found_inf`` as GradScaler gives it) the
+step reads nothing on the host; elsewhere it reads one value, whether the norm is finite
+(``overflow_checked_step`` says why). A strategy composes this function with what it knows:
+which gradients it holds, how many ranks hold each element, and how to step.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.experimental import implicit_replication
 
 from llm.dist import gather_object
 from llm.errors import TrainingError
+from llm.optim import RoundedUpdate
 from llm.precision import LossScaler
 
 
@@ -27,7 +31,10 @@ class StepResult:
     # overflow-checked step (the Trainer reads it on logged steps only), a float from
     # DeepSpeed's engine.
     grad_norm: torch.Tensor | float
-    skipped: bool = False  # True when the step was not applied (overflow)
+    # Whether the step was not applied (overflow): a bool where the host decided, a 0-d bool
+    # tensor on the device where the optimizer skipped it there (``skips_on_device``); the
+    # Trainer reads that with the step's other values and then calls ``settle_skip``.
+    skipped: bool | torch.Tensor = False
     loss_scale: float = 1.0
 
 
@@ -78,6 +85,21 @@ def global_grad_norm(
     return sq.sqrt().float()
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer | None, scaler: LossScaler) -> bool:
+    """Whether ``optimizer`` can skip a non-finite step on the device: torch's fused Adam and
+    AdamW take ``found_inf`` (their kernel leaves weights, moments and step counters
+    unchanged where it is 1), and the scaler's scale is fixed, so no host decision waits on
+    the overflow (a dynamic scale backs off or grows on the host). bf16_pure's rounded step
+    (RoundedUpdate) writes its fp32 shadows back whatever the kernel did, so it is left out.
+    """
+    return (
+        isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        and not isinstance(optimizer, RoundedUpdate)
+        and all(group["fused"] for group in optimizer.param_groups)
+        and not scaler.settings.dynamic
+    )
+
+
 def overflow_checked_step(
     grads: list[torch.Tensor],
     max_norm: float,
@@ -87,35 +109,67 @@ def overflow_checked_step(
     device: torch.device,
     grad_replicas: int | list[int],
     group: dist.ProcessGroup | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> StepResult:
     """Skip the step on overflow, else unscale + clip ``grads`` in place and ``step()``.
 
-    One host read remains: whether the norm is finite, which decides whether ``step()`` runs
-    at all, and is the loss scaler's input (fp16: backing off or growing the scale is a host
-    decision, as in ``torch.amp.GradScaler``, which reads ``found_inf`` too). Without loss
-    scaling it still guards the weights: a skipped step leaves weights and optimizer state
-    unchanged, which no device-side masking of a generic optimizer's update can promise
-    (AdamW would still decay the weights and its moments). Unscaling and clipping stay on the
-    device: the clip coefficient is a tensor, and the norm is returned unread.
+    Where ``skips_on_device(optimizer, scaler)``, the skip decision stays on the device:
+    ``step()`` always runs, with ``optimizer.found_inf`` set as GradScaler sets it, and the
+    result's ``skipped`` is a device tensor, read later with the step's other values
+    (``settle_skip`` then counts it, as ``scaler.update`` does here on the other path).
+
+    Elsewhere one host read remains: whether the norm is finite, which decides whether
+    ``step()`` runs at all, and is the loss scaler's input (fp16: backing off or growing the
+    scale is a host decision). Without loss scaling it still guards the weights: a skipped
+    step leaves weights and optimizer state unchanged, which no device-side masking of a
+    generic optimizer's update can promise (AdamW would still decay the weights and its
+    moments). Unscaling and clipping stay on the device: the clip coefficient is a tensor,
+    and the norm is returned unread.
     """
     scale = scaler.scale
     norm = global_grad_norm(grads, device, grad_replicas, group)  # of the scaled gradients
-    if not torch.isfinite(norm).item():  # the one host sync of the step
+    on_device = skips_on_device(optimizer, scaler)
+    if not on_device and not torch.isfinite(norm).item():  # this path's one host sync
         scaler.update(found_inf=True)
         if scaler.gave_up:
             raise _overflow_error(scaler, nonfinite_names())
         return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
+    found_inf = torch.isfinite(norm).logical_not()
     norm = norm / scale
     if grads and (max_norm > 0 or scale != 1.0):
         # g <- g / scale * min(1, max_norm / ||g / scale||), one pass over the gradients.
+        # (A non-finite norm makes them nan here; the kernel then skips the step.)
         coef = torch.full_like(norm, 1.0 / scale)
         if max_norm > 0:
             coef = coef * (max_norm / (norm + 1e-6)).clamp(max=1.0)
         # An offloaded optimizer's gradients are on the host: the factor follows them there.
         torch._foreach_mul_(grads, coef.to(grads[0].device))
-    step()
-    scaler.update(found_inf=False)
-    return StepResult(grad_norm=norm, loss_scale=scale)
+    if not on_device:
+        step()
+        scaler.update(found_inf=False)
+        return StepResult(grad_norm=norm, loss_scale=scale)
+    # Read by torch's fused Adam/AdamW step; the gradients are unscaled already, so no
+    # grad_scale. Removed after the step: a later step() (a checkpoint's state-making step
+    # at lr 0) must not see a stale one.
+    optimizer.found_inf = found_inf.float()
+    try:
+        # DTensor params (tensor parallel, FSDP) take the plain found_inf as replicated:
+        # it is, every rank's norm being the all-reduced one.
+        with implicit_replication():
+            step()
+    finally:
+        del optimizer.found_inf
+    return StepResult(grad_norm=norm, skipped=found_inf, loss_scale=scale)
+
+
+def settle_skip(scaler: LossScaler, skipped: bool, step: int) -> None:
+    """Count a step the optimizer skipped on the device (``skips_on_device``) once its
+    ``skipped`` is read, as ``overflow_checked_step`` counts one on the host; the run stops
+    when overflows keep coming. Read late, the gradients are gone: the message names the
+    step instead of the parameters."""
+    scaler.update(found_inf=skipped)
+    if skipped and scaler.gave_up:
+        raise _overflow_error(scaler, None, step)
 
 
 def checked_gradient_pass(
@@ -138,18 +192,26 @@ def checked_gradient_pass(
     return True
 
 
-def _overflow_error(scaler: LossScaler, local_names: list[str]) -> TrainingError:
-    names = sorted({n for rank in gather_object(local_names) for n in rank})
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+def _overflow_error(
+    scaler: LossScaler, local_names: list[str] | None, step: int | None = None
+) -> TrainingError:
+    """``local_names``: this rank's parameters with non-finite gradients, or None where the
+    skip was read after the step (``settle_skip``): then the last such step is named."""
+    if local_names is None:
+        shown = f", the last at step {step} (skipped on the device: parameters not named)"
+    else:
+        names = sorted({n for rank in gather_object(local_names) for n in rank})
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        shown = f" in: {', '.join(names[:8])}{more}"
     steps = scaler.overflows_at_min_scale
     if not scaler.enabled:  # fp32, tf32, bf16: there is no loss scale to blame
         return TrainingError(
-            f"gradients were not finite {steps} steps in a row in: {shown}; lower "
+            f"gradients were not finite {steps} steps in a row{shown}; lower "
             "optimizer.lr, keep train.grad_clip > 0, or check the data for extreme values"
         )
     where = "its minimum" if scaler.settings.dynamic else "static: precision.static_loss_scale"
     return TrainingError(
         f"gradients overflowed {steps} steps in a row at loss scale {scaler.scale:g} "
-        f"({where}) in: {shown}; lower the learning rate, use precision=bf16, or check "
+        f"({where}){shown}; lower the learning rate, use precision=bf16, or check "
         "the data for extreme values"
     )

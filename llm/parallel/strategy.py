@@ -87,6 +87,8 @@ class Strategy(Protocol):
 
     def count_comm(self, on: bool) -> None: ...
 
+    def measure(self, on: bool) -> None: ...
+
     def comm(self) -> dict[str, int]: ...
 
 
@@ -157,6 +159,11 @@ class StrategyBase:
         self.counting = on
         if self.schedule is not None:
             self.schedule.counting = on
+
+    def measure(self, on: bool) -> None:
+        """Whether the step to come is a probe (llm/train/probes.py), whose ``memory()`` the
+        Trainer reads; set per step next to ``count_comm``. Only a strategy that samples
+        memory during the step itself (DeepSpeed) needs to know."""
 
     def tp_comm(self) -> dict[str, int]:
         """Bytes of the DTensor collectives counted since the last call (tensor parallel),

@@ -4,8 +4,10 @@ the strategy protocol (llm/parallel/strategy.py).
 Steps that are not logged do not wait for the device: the loss, the global target-token
 count, the stop vote, the gradient norm and the step time stay on the device (CUDA events
 for the time) and are read together, in one host sync, on logged steps, before a checkpoint
-and at the end (``_read_pending``). The monitor then checks every step read. The one read a
-step still makes is the overflow check's (llm/parallel/step.py).
+and at the end (``_read_pending``), with whether the step was skipped where the optimizer
+decided that on the device. The monitor then checks every step read. The one read a step
+still makes, where the optimizer cannot skip on the device, is the overflow check's
+(llm/parallel/step.py).
 
 A step either probes (runs the memory instruments) or is timed, never both
 (llm/train/probes.py): step times, tokens/s and MFU come from timed steps only.
@@ -27,12 +29,13 @@ from llm.dist import gather_object
 from llm.errors import TrainingError
 from llm.memory import OUTSIDE, ActivationMemoryCounter, PeakTracker, find_layers, peak_rss_bytes
 from llm.optim import warmup_note
-from llm.parallel.step import StepResult
+from llm.parallel.step import StepResult, settle_skip
 from llm.parallel.tensor_parallel import local_loss
 from llm.recompute import RecomputePolicy
 from llm.recompute.policies import NoRecompute
 from llm.train.checkpoint import Checkpointer
 from llm.train.fp8_watch import Fp8Watch
+from llm.train.loss import HeadLoss, head_loss
 from llm.train.metrics import StepTimer, mfu
 from llm.train.moe_stats import MoEStats
 from llm.train.monitor import Monitor
@@ -50,7 +53,7 @@ class TrainState:
     timed: TimedSteps = field(default_factory=TimedSteps)  # the steps that ran no instrument
     probe_steps: int = 0  # this invocation's steps that ran the instruments
     comm_per_step: dict[str, int] = field(default_factory=dict)
-    comm_steps: int = 0
+    comm_steps: int = 0  # the probe steps whose bytes comm_per_step sums
     skipped_steps: int = 0  # overflowing steps the strategy did not apply
 
 
@@ -213,24 +216,36 @@ class Trainer:
         stack.enter_context(self.strategy.precision.autocast(self.device))
         return stack
 
-    def _logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        """(B, T, V) under the precision's autocast; with ``doc_ids`` (attention.document_mask)
+    def _logits(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        head: HeadLoss | None = None,
+    ) -> torch.Tensor:
+        """(B, T, V) under the precision's autocast, or what ``head`` (a fused loss) makes of
+        the final hidden states in their place; with ``doc_ids`` (attention.document_mask)
         attention stays inside packed documents."""
+        extra = {} if doc_ids is None else {"doc_ids": doc_ids}
+        if head is not None:
+            extra["head"] = head
         with self._forward_context():
-            if doc_ids is None:
-                return self.model(input_ids)
-            return self.model(input_ids, doc_ids=doc_ids)
+            return self.model(input_ids, **extra)
 
     def _loss_sum(
         self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> torch.Tensor:
-        return _cross_entropy_sum(self._logits(input_ids, doc_ids), targets)
+        t = self.cfg.train
+        if t.fused_loss == "off":
+            return _cross_entropy_sum(self._logits(input_ids, doc_ids), targets)
+        # train.fused_loss: the model hands its hidden states and head weight to the loss,
+        # which never holds the (B*T, V) fp32 logits at once (llm/train/loss.py).
+        head = head_loss(t.fused_loss, targets, t.fused_loss_chunk)
+        return self._logits(input_ids, doc_ids, head)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return t
-        # From pinned memory the copy is asynchronous: the host runs on to the forward.
-        return t.pin_memory().to(self.device, non_blocking=True)
+        # On CUDA the loader hands out pinned batches (llm/data/prefetch.py), so the copy is
+        # asynchronous: the host runs on to the forward. On CPU this is ``t`` itself.
+        return t.to(self.device, non_blocking=True)
 
     def _batch_to(self, batch: Batch, copy) -> Batch:
         """The batch with ``copy`` applied to its tensors; document ids only when
@@ -257,6 +272,8 @@ class Trainer:
         scale = (self.dp_size / counts[0].clamp(min=1.0)).float()
         step = self.state.step + 1
         probe = self.probes.probes(step)
+        self.strategy.count_comm(probe and self.cfg.parallelism.count_comm)
+        self.strategy.measure(probe)
         with self.tracker.step(probe):
             if (extra := self.strategy.gradient_pass(step)) is not None:
                 self._gradient_pass(extra, batches, scale, counts[0], step)
@@ -344,15 +361,26 @@ class Trainer:
             return False, None
         losses = _all_reduce_sum([p.loss_sum for p in pending], self.device) / self.loss_copies
         rows = [
-            torch.stack([p.tokens, p.stop_votes, _on_device(p.result.grad_norm, self.device)])
+            torch.stack(
+                [
+                    p.tokens,
+                    p.stop_votes,
+                    _on_device(p.result.grad_norm, self.device),
+                    _on_device(p.result.skipped, self.device),
+                ]
+            )
             for p in pending
         ]
         values = torch.cat([losses.unsqueeze(1), torch.stack(rows)], dim=1).tolist()
         timings = timer.collect()
         stop, metrics = False, None
-        for p, (loss_sum, tokens, votes, grad_norm), timing in zip(
+        for p, (loss_sum, tokens, votes, grad_norm, skipped), timing in zip(
             pending, values, timings, strict=True
         ):
+            skipped = skipped > 0
+            if isinstance(p.result.skipped, torch.Tensor):  # decided on the device
+                settle_skip(self.strategy.scaler, skipped, p.step)
+            self.state.skipped_steps += skipped
             loss = loss_sum / max(tokens, 1.0)
             self.state.tokens_seen += int(tokens)
             self.state.last_loss = loss
@@ -365,7 +393,7 @@ class Trainer:
                 "loss": loss,
                 "grad_norm": grad_norm,
                 "loss_scale": p.result.loss_scale,
-                "skipped": p.result.skipped,
+                "skipped": skipped,
             }
             for alert in self.monitor.check(p.step, metrics):
                 self.logger.alert(alert)
@@ -406,6 +434,9 @@ class Trainer:
                 "resume from an earlier checkpoint (checkpoint.resume=PATH) or start fresh "
                 "(checkpoint.resume=none)"
             ) from exc
+        finally:
+            # The loader's read-ahead thread stops however the run ends: done, stopped or failed.
+            self.train_loader.close()
 
     def _fit(self) -> dict:
         t = self.cfg.train
@@ -429,7 +460,7 @@ class Trainer:
                 with timer.step():
                     self._pending.append(self.train_step(timer, stop))
                 self.state.step += 1
-                self._account(self._pending[-1].result)
+                self._account(self._pending[-1])
                 every = self.cfg.checkpoint.every
                 saves = every and self.state.step % every == 0 and self.state.step < t.max_steps
                 logs = self.probes.logs(self.state.step)
@@ -488,12 +519,16 @@ class Trainer:
     def _last_tps(self) -> float | None:
         return self.state.timed.last_tokens_per_sec()
 
-    def _account(self, result: StepResult) -> None:
-        """What a step leaves on the host: whether it was skipped, and bytes sent."""
-        self.state.skipped_steps += result.skipped
-        for kind, sent in (self.strategy.comm() | self.moe.comm()).items():
-            self.state.comm_per_step[kind] = self.state.comm_per_step.get(kind, 0) + sent
-        self.state.comm_steps += 1
+    def _account(self, step: _StepOnDevice) -> None:
+        """What a step leaves on the host: bytes sent (whether it was skipped is read with
+        its other values, ``_read_pending``). Bytes are counted on probe steps
+        (parallelism.count_comm): a timed step counts nothing, and the counters are drained
+        every step so that each probe holds its own step's bytes."""
+        sent = self.strategy.comm() | self.moe.comm()
+        if step.probe:
+            for kind, n in sent.items():
+                self.state.comm_per_step[kind] = self.state.comm_per_step.get(kind, 0) + n
+            self.state.comm_steps += 1
 
     def _log_metrics(self, metrics: dict) -> dict:
         """The logged step's metrics; timings from the timed steps since the last line,

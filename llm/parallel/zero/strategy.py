@@ -330,6 +330,7 @@ class ZeroStrategy(StrategyBase):
             self.device,
             replicas,
             group,
+            optimizer=self.optimizer,
         )
 
     def _nonfinite_grad_names(self) -> list[str]:
