@@ -577,6 +577,7 @@ class LauncherConfig:
 
 
 FUSED_LOSSES = ("off", "chunked", "liger", "cce")
+COMPILE_MODES = ("default", "max-autotune", "reduce-overhead")
 
 
 @dataclass
@@ -591,6 +592,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
+    # torch.compile's mode with train.compile: default, max-autotune (Inductor benchmarks
+    # kernel configs at compile time) or reduce-overhead (CUDA graphs where the step allows
+    # them; on a CPU it compiles as default).
+    compile_mode: str = "default"  # default | max-autotune | reduce-overhead
     deterministic: bool = False
     # Which steps probe memory (llm/train/probes.py): step 1 and the logged steps (default),
     # every other step, or the same steps without the peak tracker. A probe is never timed.
@@ -629,6 +634,12 @@ class TrainConfig:
             "train", "memory_tracking", self.memory_tracking, ("logged", "alternate", "off")
         )
         _require_choice("train", "fused_loss", self.fused_loss, FUSED_LOSSES)
+        _require_choice("train", "compile_mode", self.compile_mode, COMPILE_MODES)
+        if self.compile_mode != "default" and not self.compile:
+            raise ConfigError(
+                f"train.compile_mode={self.compile_mode} applies only to a compiled model; "
+                "add train.compile=true"
+            )
 
 
 @dataclass

@@ -245,7 +245,8 @@ def _train(
         strategy.experts = install_expert_exchanges(model, dims.dp_group(), mesh, weights, device)
     model = strategy.wrap(model, weights)
     if cfg.train.compile:
-        model = torch.compile(model)
+        mode = cfg.train.compile_mode
+        model = torch.compile(model, mode=None if mode == "default" else mode)
     optimizer = strategy.build_optimizer(model, cfg.optimizer)
     tracker.watch(strategy.state_tensors)
     tracker.end()
@@ -277,6 +278,11 @@ def _train(
     )
     if attention.requested == "auto":
         logger.info(attention.why)
+    if cfg.train.compile and cfg.train.compile_mode == "reduce-overhead" and device.type != "cuda":
+        logger.info(
+            f"train.compile_mode=reduce-overhead: CUDA graphs need a CUDA device; on "
+            f"{device.type} the model compiles as under the default mode"
+        )
     if precision.fp8_emulated:
         logger.info(
             f"fp8: the {precision.fp8_recipe} recipe runs emulated (fp8 quantised and "
