@@ -125,7 +125,7 @@ def formula_bytes(job: Job) -> int:
         b,
         s,
         prec,
-        backend=job.get("attention.backend", "sdpa"),
+        backend=job.attention_backend(),
         device=job.summary["device"],
         recompute=policy(job),
     )

@@ -85,7 +85,7 @@ def formula_bytes(job: Job) -> int:
         int(job.get("train.micro_batch_size")),
         int(job.get("data.seq_len")),
         policy,
-        backend=job.get("attention.backend", "sdpa"),
+        backend=job.attention_backend(),
         device=job.summary["device"],
         recompute=job.get("recompute.name", "none"),
     )

@@ -40,6 +40,12 @@ class Job:
             node = node[part]
         return node
 
+    def attention_backend(self) -> str:
+        """The attention kernel the run used: attention=auto's pick (summary.json's
+        ``attention``), else the configured backend."""
+        picked = ((self.summary or {}).get("attention") or {}).get("backend")
+        return picked or self.get("attention.backend", "sdpa")
+
     def override(self, key: str) -> str | None:
         """The value this job's sweep gave ``key`` (``parallelism=zero2`` -> ``zero2``)."""
         for o in self.overrides:

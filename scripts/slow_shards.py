@@ -59,6 +59,7 @@ SHARDS = {
         "tests/test_slow.py",
         "tests/test_recompute_strategies.py",
         "tests/test_private_apis.py",
+        "tests/test_host_reads.py",
         "tests/test_bf16_parity.py",
         "tests/test_triton_compile.py",
         "tests/test_estimate.py",
