@@ -193,18 +193,26 @@ def test_the_model_passes_doc_ids_and_moe_aux_loss_through(moe):
     assert without_docs.item() != pytest.approx(want.item(), rel=1e-3)
 
 
-@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
-def test_liger_adapter_hands_liger_what_it_expects(monkeypatch, precision):
+def _through_stand_in(monkeypatch, stand_in, model_name: str, loss: str, precision):
+    """The library loss ``loss`` run through its stand-in beside ``off``: (the one call the
+    stand-in saw, (rows, d, V), (loss, grads), (off's loss, off's grads))."""
     calls: list = []
-    for name, module in fused_loss_stand_in.liger(calls).items():
+    for name, module in stand_in(calls).items():
         monkeypatch.setitem(sys.modules, name, module)
-    model = _model("llama-tiny")
+    model = _model(model_name)
     x, y = _batch(model.args.vocab_size)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
-        want, want_grads = _loss_and_grads(model, x, y, "off")
-        got, got_grads = _loss_and_grads(model, x, y, "liger")
+        want = _loss_and_grads(model, x, y, "off")
+        got = _loss_and_grads(model, x, y, loss)
     (call,) = calls
-    rows, d, v = x.numel(), model.args.d_model, model.args.vocab_size
+    return call, (x.numel(), model.args.d_model, model.args.vocab_size), got, want
+
+
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
+def test_liger_adapter_hands_liger_what_it_expects(monkeypatch, precision):
+    call, (rows, d, v), (got, got_grads), (want, want_grads) = _through_stand_in(
+        monkeypatch, fused_loss_stand_in.liger, "llama-tiny", "liger", precision
+    )
     assert call == {
         "input": ((rows, d), precision),
         "weight": ((v, d), precision),
@@ -220,16 +228,9 @@ def test_liger_adapter_hands_liger_what_it_expects(monkeypatch, precision):
 
 @pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
 def test_cce_adapter_hands_cut_cross_entropy_what_it_expects(monkeypatch, precision):
-    calls: list = []
-    for name, module in fused_loss_stand_in.cce(calls).items():
-        monkeypatch.setitem(sys.modules, name, module)
-    model = _model("gpt2-tiny")
-    x, y = _batch(model.args.vocab_size)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
-        want, want_grads = _loss_and_grads(model, x, y, "off")
-        got, got_grads = _loss_and_grads(model, x, y, "cce")
-    (call,) = calls
-    rows, d, v = x.numel(), model.args.d_model, model.args.vocab_size
+    call, (rows, d, v), (got, got_grads), (want, want_grads) = _through_stand_in(
+        monkeypatch, fused_loss_stand_in.cce, "gpt2-tiny", "cce", precision
+    )
     assert call == {
         "e": ((rows, d), precision),
         "c": ((v, d), precision),
