@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv venv211 train test test-slow test-gpu test-slurm gpu-pass gpu-stamp gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline profile experiments clean
+.PHONY: help venv venv211 train test test-slow test-gpu test-slurm gpu-pass gpu-stamp gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline profile experiments experiments-gpu clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -95,6 +95,9 @@ bench-optimizers: $(STAMP) ## each optimizer's step time and state bytes, ours a
 
 profile: $(STAMP) ## where a training step's time goes: top ops, categories, host reads, Chrome trace (ARGS: train.py's overrides)
 	$(PY) -m benchmarks.profile_step $(ARGS)
+
+experiments-gpu: $(STAMP) ## NAME=... [PART=...] OUT=DIR [RESUME=DIR0]: the GPU scale's missing jobs, each recorded in OUT
+	$(PY) -m experiments run $(NAME) scale=gpu $(if $(PART),part=$(PART)) $(ARGS) --out $(OUT) $(if $(RESUME),--resume $(RESUME))
 
 experiments: $(STAMP) ## run every small experiment, write each report and copy it to docs/experiments/
 	for name in $$($(PY) -m experiments list --names); do \

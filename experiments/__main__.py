@@ -1,5 +1,7 @@
 """`python -m experiments run NAME [scale=small|medium|gpu|sharded] [override ...]`: run an experiment's
-sweep, then write its report. `python -m experiments report SWEEP_DIR`: (re)write the
+sweep, then write its report. `... run NAME scale=gpu [part=P] --out DIR [--resume DIR0]`:
+record each finished job in DIR, run only the jobs missing there, write the report from the
+records (experiments/resume.py). `python -m experiments report SWEEP_DIR`: (re)write the
 report of a sweep. `python -m experiments publish SWEEP_DIR`: copy its report.md and PNGs to
 docs/experiments/<config>/. `python -m experiments list`: the experiments and their scales."""
 
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 from experiments.report import EXPERIMENTS, experiment_module, publish, write_report
+from experiments.resume import refuse_too_few_gpus, run_recorded
 from experiments.runner import (
     SweepInterrupted,
     config_name,
@@ -33,6 +36,17 @@ def _parser() -> argparse.ArgumentParser:
         "train.py overrides",
     )
     run.add_argument("--publish", action="store_true", help="then copy it to docs/experiments/")
+    run.add_argument(
+        "--out",
+        type=Path,
+        help="record each finished job there (with part=NAME: only that part's jobs), and "
+        "write the report there from the records",
+    )
+    run.add_argument(
+        "--resume",
+        type=Path,
+        help="a folder of records (--out) to continue: only its missing jobs run",
+    )
     report = sub.add_parser("report", help="write report.md and plots of a sweep directory")
     report.add_argument("sweep_dir")
     report.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
@@ -51,17 +65,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(name: str, args: list[str]):
-    scale = "small"
+def _run(name: str, args: list[str], out: Path | None = None, resume: Path | None = None):
+    scale, part = "small", None
     overrides = []
     for o in args:
         if o.startswith("scale="):
             scale = o.split("=", 1)[1]
+        elif o.startswith("part="):
+            part = o.split("=", 1)[1]
         else:
             overrides.append(o)
     if name not in EXPERIMENTS:
         raise ConfigError(f"no experiment named {name}; choose one of {', '.join(EXPERIMENTS)}")
     config = config_name(name, scale)
+    refuse_too_few_gpus(config, overrides)
+    if out is not None or resume is not None:
+        return run_recorded(config, overrides, out or resume, resume, part)
+    if part is not None:
+        raise ConfigError("part=NAME runs a part into a records folder: give --out DIR")
     sweep_dir = run_sweep(config, overrides)
     if sweep_dir is not None:
         run_follow_ups(experiment_module(config), config, overrides, sweep_dir)
@@ -91,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             except SweepInterrupted:
                 interrupted = True
         else:
-            log_wandb = True
+            log_wandb = a.out is None and a.resume is None  # records: docs, not W&B
             try:
-                sweep_dir = _run(a.name, a.overrides)
+                sweep_dir = _run(a.name, a.overrides, a.out, a.resume)
             except SweepInterrupted as exc:
                 sweep_dir, interrupted = exc.sweep_dir, True
             if sweep_dir is None:

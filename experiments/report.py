@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
+from experiments import parts, records
 from experiments.claims import Table, claims_table
 from experiments.sweep import Job, experiment_of, load_jobs
 from llm.errors import ConfigError
@@ -92,6 +93,21 @@ def verdicts_line(tables: list[Table]) -> str:
     return line
 
 
+def _records_lines(sweep_dir: Path, config: str, plan: dict | None) -> list[str]:
+    """A records folder's head: jobs in of those planned, and the scale's choices (the
+    config's opening comment)."""
+    if plan is None:
+        return []
+    k, n, pending = records.completeness(sweep_dir, None)
+    more = "; the follow-up sweeps are still to be asked for" if pending else ""
+    notes = " ".join(parts.scale_notes(config))
+    return [
+        f"- Jobs recorded: {k} of {n} planned{more}. A claim whose jobs are not all in "
+        f'says "{records.NOT_ENOUGH} (k of n)" in place of a verdict.',
+        f"- Scale (conf/experiment/{config}.yaml): {notes}",
+    ]
+
+
 def write_report(sweep_dir: Path, log_wandb: bool = True) -> Path:
     sweep_dir = Path(sweep_dir)
     config = experiment_of(sweep_dir)
@@ -103,6 +119,9 @@ def write_report(sweep_dir: Path, log_wandb: bool = True) -> Path:
     module = experiment_module(config)
     jobs = load_jobs(sweep_dir)
     tables = [jobs_table(jobs), claims_table(module.CLAIMS), *module.report(jobs)]
+    plan = records.read_plan(sweep_dir)
+    if plan is not None:  # a records folder: verdicts wait for their claims' jobs
+        tables = records.withhold(sweep_dir, tables, parts.claim_parts_of(config))
     images = {}
     for name, fig in module.plots(jobs).items():
         path = sweep_dir / f"{name}.png"
@@ -120,6 +139,7 @@ def write_report(sweep_dir: Path, log_wandb: bool = True) -> Path:
         f"- Jobs: {len(jobs)}, failed: {failed}",
         f"- Written: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         verdicts_line(tables),
+        *_records_lines(sweep_dir, config, plan),
         "",
     ]
     body = [markdown(t) for t in tables]
@@ -184,9 +204,24 @@ def publish(sweep_dir: Path, docs: Path = DOCS) -> Path:
     sweep_dir = Path(sweep_dir)
     if not (sweep_dir / "report.md").exists():
         raise ConfigError(f"{sweep_dir} has no report.md; run `python -m experiments report` first")
+    if records.read_plan(sweep_dir) is not None:
+        return _publish_records(sweep_dir, docs)
     dest = docs / experiment_of(sweep_dir)
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     for f in [sweep_dir / "report.md", *sorted(sweep_dir.glob("*.png"))]:
         shutil.copy2(f, dest / f.name)
+    return dest / "report.md"
+
+
+def _publish_records(sweep_dir: Path, docs: Path) -> Path:
+    """A records folder goes to docs/experiments/<config>/ whole (records, plan, report),
+    refused where a record came from a tree with uncommitted changes."""
+    why = records.not_publishable(sweep_dir)
+    if why:
+        raise ConfigError(why)
+    dest = docs / experiment_of(sweep_dir)
+    if dest.resolve() != sweep_dir.resolve():
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(sweep_dir, dest)
     return dest / "report.md"

@@ -158,17 +158,27 @@ def run_follow_ups(module, config: str, overrides: list[str], sweep_dir: Path) -
                 raise SweepInterrupted(sweep_dir) from None  # the report covers the whole
 
 
-def sweep_jobs(config: str, overrides: list[str] = ()) -> list[list[str]]:
-    """Each job's overrides, as Hydra's basic sweeper expands ``hydra.sweeper.params`` and
-    the command line's overrides (a key given on the command line replaces the config's)."""
+def sweep_params(config: str) -> dict:
+    """The config's ``hydra.sweeper.params``."""
     register_configs()  # the schemas the option files extend
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", [f"experiment={config}"], return_hydra_config=True)
-    params = OmegaConf.to_container(cfg.hydra.sweeper.params or {})
+    return OmegaConf.to_container(cfg.hydra.sweeper.params or {})
+
+
+def expand(params: dict, overrides: list[str] = ()) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper expands ``params`` and the command
+    line's overrides (a key given on the command line replaces the config's)."""
     parsed = OverridesParser.create().parse_overrides(
         [f"{k}={v}" for k, v in params.items()] + list(overrides)
     )
     return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
+
+
+def sweep_jobs(config: str, overrides: list[str] = ()) -> list[list[str]]:
+    """Each job's overrides in the sweep of ``config`` with the command line's
+    ``overrides``."""
+    return expand(sweep_params(config), overrides)
 
 
 def compose_jobs(

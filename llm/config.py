@@ -68,6 +68,9 @@ class ModelConfig:
     n_kv_heads: int | None = None
     d_ff: int | None = None
     dropout: float = 0.0
+    # Rows of the embedding and head rounded up to a multiple of this (x tp_size under tensor
+    # parallel), e.g. 128 for tensor-core tiles; the padded ids are never tokens (logits -inf).
+    vocab_multiple: int = 1
     # Globs over parameter names (fnmatch), e.g. ["tok_embeddings.*", "layers.0.*"]: frozen
     # parameters get no gradient, no optimizer state and no update under every strategy.
     freeze: list[str] = field(default_factory=list)
@@ -83,6 +86,7 @@ class ModelConfig:
             n_heads=self.n_heads,
             n_kv_heads=self.n_kv_heads,
             d_ff=self.d_ff,
+            vocab_multiple=self.vocab_multiple,
         )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
@@ -674,7 +678,10 @@ class EstimateConfig:
     context: int | None = None
     json: str | None = None  # also write the figures to this JSON file
     plan: bool = False  # rank the dp x tp x pp x ZeRO x recompute x micro-batch layouts that fit
-    device: str = "cuda"  # what the estimate is for: cuda | cpu (kernels and dropout masks)
+    # What the estimate is for: cuda | cpu (kernels and dropout masks), or a GPU with a device
+    # profile (h100, h200; a100 scaled from one; a profile .yaml's path): CUDA kernels, and
+    # the plan's compute at that GPU's measured rates (llm.estimate.device_profile).
+    device: str = "cuda"
     # The cluster: nodes x gpus_per_node devices of device_memory_gb GiB each.
     nodes: int = 1
     gpus_per_node: int | None = None  # None: launcher.nproc_per_node
@@ -695,7 +702,6 @@ class EstimateConfig:
 
     def __post_init__(self) -> None:
         _require_choice("estimate", "mode", self.mode, ("train", "inference"))
-        _require_choice("estimate", "device", self.device, ("cuda", "cpu"))
         _require_positive("estimate", batch=self.batch, context=self.context)
         if self.mode == "train" and (self.batch, self.context) != (None, None):
             raise ConfigError(
@@ -717,6 +723,11 @@ class EstimateConfig:
         )
         if self.rank < 0:
             raise ConfigError(f"estimate.rank={self.rank} must be >= 0")
+
+    @property
+    def kernels(self) -> str:
+        """The device whose kernels the estimate sizes: cpu, or cuda for every GPU."""
+        return "cpu" if self.device == "cpu" else "cuda"
 
 
 @dataclass

@@ -42,7 +42,7 @@ from llm.parallel import ParallelDims, build_strategy
 from llm.parallel.expert_parallel import expert_mesh
 from llm.parallel.expert_parallel import install as install_expert_exchanges
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
-from llm.parallel.tensor_parallel import apply_tensor_parallel, padded_vocab
+from llm.parallel.tensor_parallel import apply_tensor_parallel
 from llm.precision import apply_precision, build_loss_scaler
 from llm.recompute import apply_recompute, recompute_policy
 from llm.run_dir_lock import RunDirLock
@@ -122,9 +122,8 @@ def build_model_for(
         weights = HFSource(cfg.model.init_from)
         args = weights.args
     else:
-        args = model_args_for(cfg, vocab_size)
-        vocab = padded_vocab(args.vocab_size, cfg.parallelism.tp_size)
-        args = dataclasses.replace(args, vocab_size=vocab)
+        rows = cfg.model.vocab_multiple * cfg.parallelism.tp_size
+        args = model_args_for(cfg, vocab_size).padded(rows)
         weights = InitSource(args, cfg.train.seed)
     a = cfg.attention
     chosen = resolve_for(a, args, device=device, dtype=dtype, seq_len=cfg.data.seq_len)

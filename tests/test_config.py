@@ -15,7 +15,10 @@ from llm.errors import ConfigError
 from llm.launch import external_rank_env, resolve_wandb_mode
 from llm.validate import validate
 
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
+# conf/device/ holds device profiles for estimate.device (llm.estimate.device_profile), no group.
+GROUPS = sorted(
+    p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "device")
+)
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 LAYOUTS = sorted(p.stem for p in (CONF / "layout").glob("*.yaml"))

@@ -279,6 +279,16 @@ def test_a_chunked_run_equals_the_plain_run(tmp_path, text_corpus, cache_dir, pl
     assert _outside_layers(plain_run) - _outside_layers(out) >= 4 * (rows * v - v * d)
 
 
+def test_a_run_with_a_padded_vocabulary_equals_the_plain_run(
+    tmp_path, text_corpus, cache_dir, plain_run
+):
+    # model.vocab_multiple=64: the byte tokenizer's 257 ids in 320 rows. Each parameter's
+    # init is seeded by its name, so the real rows start as the plain run's; the padded
+    # logits are -inf, so the losses and gradient norms are the plain run's.
+    _, out = run(tmp_path, "padded", text_corpus, cache_dir, *STEPS, "model.vocab_multiple=64")
+    _assert_same_run(out, plain_run)
+
+
 def test_a_chunked_zero2_run_on_two_ranks_equals_the_plain_run(
     tmp_path, text_corpus, cache_dir, plain_run
 ):

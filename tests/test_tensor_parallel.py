@@ -1,8 +1,9 @@
 """Tensor (and sequence) parallelism on gloo against one process, fp32, same seed and data.
 
 Every run has the reference's global batch of 8 sequences. The tp runs use the byte
-tokenizer's 257 tokens, which tensor parallel pads to 258; the reference is built with
-model.vocab_size=258, so both start from the same weights (padding rows included). In fp32
+tokenizer's 257 tokens, which tensor parallel pads to 258 (the padded id's logit -inf); the
+reference pads the same way (model.vocab_multiple=2), so both start from the same weights
+and shapes. In fp32
 the runs differ only in how partial sums are added (row-parallel outputs, vocab-parallel
 softmax), hence 1e-5 relative on losses and gradient norms, 1e-4 on weights.
 """
@@ -35,9 +36,7 @@ PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_corpus, cache_dir):
-    return reference_runs(
-        tmp_path_factory, text_corpus, cache_dir, STEPS, f"model.vocab_size={PADDED_VOCAB}"
-    )
+    return reference_runs(tmp_path_factory, text_corpus, cache_dir, STEPS, "model.vocab_multiple=2")
 
 
 def tp_run(tmp_path, name, text_corpus, cache_dir, model, *extra):
@@ -206,8 +205,8 @@ def test_two_kv_heads_replicated_over_four_tp_ranks(tmp_path, text_corpus, cache
 
 def test_tp_checkpoint_resumes_in_one_process(tmp_path, reference, tp_on, text_corpus, cache_dir):
     """DCP writes the DTensor shards of the tp=2 (sequence parallel) run; one process reads
-    them whole and steps 3-4 continue the uninterrupted run. The padded vocabulary (258) is
-    given to the single process, so both have one shape."""
+    them whole and steps 3-4 continue the uninterrupted run. The single process pads its
+    vocabulary as tp=2 did (model.vocab_multiple=2), so both have one shape."""
     _, saved = tp_on("llama-tiny", True)
     checkpoint = saved / "checkpoints" / f"step_{STEPS // 2:06d}"
     summary, out = run(
@@ -216,7 +215,7 @@ def test_tp_checkpoint_resumes_in_one_process(tmp_path, reference, tp_on, text_c
         text_corpus,
         cache_dir,
         "model=llama-tiny",
-        f"model.vocab_size={PADDED_VOCAB}",
+        "model.vocab_multiple=2",
         "train.micro_batch_size=8",
         f"train.max_steps={STEPS}",
         f"checkpoint.resume={checkpoint}",
@@ -266,7 +265,7 @@ def test_tensor_parallel_bf16_tracks_one_process_in_bf16(tmp_path, text_corpus, 
     are added, so tp differs from one process by bf16 rounding, not only by fp32 summation
     order: measured at most 1.4e-5 relative over these steps, so 1e-3 leaves room yet
     catches a wrong split (the loss falls by 9% over these steps)."""
-    bf16 = ("precision=bf16", f"model.vocab_size={PADDED_VOCAB}")
+    bf16 = ("precision=bf16", "model.vocab_multiple=2")
     _, ref_out = run(
         tmp_path,
         "single",

@@ -4,7 +4,7 @@ too); their collectives per step on dp and tp; checkpoints resumed across layout
 estimator's model-state bytes against what each rank holds.
 
 As in test_tensor_parallel.py the tp runs pad the byte tokenizer's 257 tokens to 258 and
-the reference is built with model.vocab_size=258; each dp rank reads half the global batch
+the reference pads the same way (model.vocab_multiple=2); each dp rank reads half the global batch
 of 8. fp32 runs differ from one process only in the order partial sums are added (the
 row-parallel outputs, the vocab-parallel softmax, the reduce-scatter over dp), hence the
 shared tolerance of helpers.assert_run_matches: 1e-5 relative on losses and clipping
@@ -49,9 +49,7 @@ PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_corpus, cache_dir):
-    return reference_runs(
-        tmp_path_factory, text_corpus, cache_dir, STEPS, f"model.vocab_size={PADDED_VOCAB}"
-    )
+    return reference_runs(tmp_path_factory, text_corpus, cache_dir, STEPS, "model.vocab_multiple=2")
 
 
 def dp_tp_overrides(strategy: str, model: str, sequence_parallel: bool, accum: int) -> list[str]:
@@ -320,7 +318,7 @@ def bf16_reference(tmp_path_factory, text_corpus, cache_dir):
         text_corpus,
         cache_dir,
         "model=llama-tiny",
-        f"model.vocab_size={PADDED_VOCAB}",
+        "model.vocab_multiple=2",
         "precision=bf16",
         "train.micro_batch_size=8",
         f"train.max_steps={STEPS}",

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.gpu_pass import provenance
-from benchmarks.gpu_pass.common import EARLIER_ENV, LIMIT_ENV, PARTIAL_ENV, environment
+from benchmarks.gpu_pass.common import EARLIER_ENV, LIMIT_ENV, OUT_ENV, PARTIAL_ENV, environment
 from benchmarks.gpu_pass.report import LOG_NAME, load, markdown, save
 from benchmarks.gpu_pass.sections import DRY_LIMIT_S, Section, selected
 
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = limits(sections, a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    os.environ[OUT_ENV] = str(out.resolve())  # each section's process writes its files there
     env = environment()
     tree = provenance.current(REPO, skip=(out,))
     records = resumed(a.resume, env, a.dry)

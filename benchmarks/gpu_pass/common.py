@@ -62,6 +62,7 @@ def device(dry: bool) -> torch.device:
 LIMIT_ENV = "GPU_PASS_SECTION_LIMIT_S"
 PARTIAL_ENV = "GPU_PASS_PARTIAL_JSON"
 EARLIER_ENV = "GPU_PASS_EARLIER_JSON"
+OUT_ENV = "GPU_PASS_OUT"  # the pass's --out: files a section writes beside the record
 
 
 def earlier_rows() -> list[dict]:

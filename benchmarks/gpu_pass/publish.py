@@ -30,14 +30,17 @@ from benchmarks.gpu_pass.sections import SECTIONS
 REPO = Path(__file__).resolve().parents[2]
 RECORDS = "docs/gpu_pass"
 PAGES = {
+    "speed": "docs/benchmarks.md",
     "gpu_tests": "docs/benchmarks.md",
     "model_step": "docs/benchmarks.md",
+    "nccl": "docs/parallel.md",
     "optimizers": "docs/benchmarks.md",
     "fp8": "docs/benchmarks.md",
     "fp8_gemm": "docs/benchmarks.md",
     "attention": "docs/attention.md",
     "recompute": "docs/recompute.md",
     "estimator": "docs/recompute.md",
+    "calibrate": "docs/parallel.md",
     "inference": "docs/inference.md",
     "quantization": "docs/inference.md",
 }

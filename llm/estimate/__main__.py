@@ -20,6 +20,7 @@ from rich.table import Table
 from llm.config import register_configs, to_dataclass
 from llm.errors import LabError
 from llm.estimate.deepspeed_own import deepspeed_own, largest_layer
+from llm.estimate.device_profile import resolve
 from llm.estimate.estimator import estimate, meta_model, world_size
 from llm.estimate.inference import estimate_inference
 from llm.estimate.plan import global_batch, plan, plan_row
@@ -36,7 +37,7 @@ def model_summary(cfg, args) -> dict:
     """What the estimate sized: the vocabulary and where it came from (model.vocab_size, set
     by a published shape's config or an override, else the tokenizer's), the vocabulary
     tensor parallel pads it to, and the parameter count (estimate.num_params when given)."""
-    padded = padded_vocab(args.vocab_size, cfg.parallelism.tp_size)
+    padded = padded_vocab(args.vocab_size, cfg.parallelism.tp_size, cfg.model.vocab_multiple)
     n = num_params(dataclasses.replace(args, vocab_size=padded))
     if cfg.model.vocab_size is not None:
         source = "model.vocab_size"
@@ -58,7 +59,7 @@ def _sized(model: dict) -> str:
         return f"{count(model['n_params'])} parameters (estimate.num_params)"
     vocab = f"vocabulary {model['vocab_size']:,} ({model['vocab_source']})"
     if model["padded_vocab_size"] != model["vocab_size"]:
-        vocab += f" padded to {model['padded_vocab_size']:,} for tp"
+        vocab += f" padded to {model['padded_vocab_size']:,}"
     return f"{count(model['n_params'])} parameters, {vocab}"
 
 
@@ -101,9 +102,7 @@ def _deepspeed_lines(cfg, args, est) -> tuple[list[str], dict | None]:
             "is the ZeRO paper's arithmetic (section 3.1)"
         ], None
     if e.num_params is None:
-        model = meta_model(
-            cfg, dataclasses.replace(args, vocab_size=padded_vocab(args.vocab_size, par.tp_size))
-        )
+        model = meta_model(cfg, args.padded(cfg.model.vocab_multiple * par.tp_size))
         n, largest = sum(p.numel() for p in model.parameters()), largest_layer(model)
     else:
         n, largest = int(e.num_params), 0
@@ -165,6 +164,7 @@ def _inference(cfg, args, model: dict, note: str | None) -> None:
 def main(dict_cfg: DictConfig) -> None:
     try:
         cfg = to_dataclass(dict_cfg)
+        profile = resolve(cfg.estimate.device)  # an unknown device is refused here
         args = model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg))
         check_vocab(cfg, args)
         model = model_summary(cfg, args)
@@ -185,6 +185,9 @@ def main(dict_cfg: DictConfig) -> None:
             fitting = [r for r in rows if r.fits][: cfg.estimate.plan_rows]
             Console().print(_plan_table(cfg, fitting, model))
             out["plan"] = [plan_row(r) for r in rows]
+            if profile is not None:  # where the plan's compute times come from
+                print(profile.note)
+                out["device_profile"] = profile.note
         if cfg.estimate.json:
             Path(cfg.estimate.json).write_text(json.dumps(out, indent=2))
     except LabError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm.config import Config
+from llm.estimate.device_profile import DeviceProfile, resolve
 
 GIB = 2**30
 
@@ -20,6 +21,8 @@ class Cluster:
     flops_per_s: float  # sustained matmul FLOP/s per GPU
     intra_node: float  # bytes/s per GPU on NVLink
     inter_node: float  # bytes/s per GPU on InfiniBand
+    # estimate.device's measured rates; None: every matmul at flops_per_s.
+    profile: DeviceProfile | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> Cluster:
@@ -31,6 +34,7 @@ class Cluster:
             flops_per_s=e.flops_per_s,
             intra_node=e.intra_node_gb_s * 1e9,
             inter_node=e.inter_node_gb_s * 1e9,
+            profile=resolve(e.device),
         )
 
     @property

@@ -23,7 +23,7 @@ from llm.estimate.states import RankStates, model_states, paper_states
 from llm.models import build_model, freeze
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
-from llm.parallel.tensor_parallel import check_tensor_parallel, padded_vocab, tp_local_shapes
+from llm.parallel.tensor_parallel import check_tensor_parallel, tp_local_shapes
 from llm.precision import PrecisionPolicy, resolve_precision
 
 GIB = 2**30
@@ -95,11 +95,11 @@ class StageRows:
 def estimate_attention(cfg: Config, args) -> Choice:
     """The attention kernel the estimate is for: the configured one, or attention=auto's pick
     for estimate.device (this machine's GPU where it has one; else auto's fallback, sdpa)."""
-    policy = estimate_policy(cfg.precision.name, cfg.estimate.device, cfg.precision.fp8_recipe)
+    policy = estimate_policy(cfg.precision.name, cfg.estimate.kernels, cfg.precision.fp8_recipe)
     return resolve_for(
         cfg.attention,
         args,
-        device=torch.device(cfg.estimate.device),
+        device=torch.device(cfg.estimate.kernels),
         dtype=policy.compute_dtype,
         seq_len=cfg.data.seq_len,
     )
@@ -137,9 +137,9 @@ def estimate(cfg: Config, args) -> Estimate:
     except ConfigError as exc:
         raise ConfigError(f"{exc} (the estimate's world: estimate.nodes x gpus_per_node)") from None
     check_tensor_parallel(args, par.tp_size, cfg.data.seq_len, par.sequence_parallel)
-    # Tensor parallel pads the vocabulary to a multiple of tp, as the run does.
-    args = dataclasses.replace(args, vocab_size=padded_vocab(args.vocab_size, par.tp_size))
-    policy = estimate_policy(cfg.precision.name, e.device, cfg.precision.fp8_recipe)
+    # The vocabulary padded to a multiple of model.vocab_multiple x tp, as the run pads it.
+    args = args.padded(cfg.model.vocab_multiple * par.tp_size)
+    policy = estimate_policy(cfg.precision.name, e.kernels, cfg.precision.fp8_recipe)
     if e.num_params is not None:
         stage = int(par.name[-1]) if par.name.startswith("zero") else par.zero_stage
         states = paper_states(int(e.num_params), world, stage, policy, cfg.optimizer)
@@ -158,7 +158,7 @@ def estimate(cfg: Config, args) -> Estimate:
         stream,
         backend=attention.backend,
         sdpa_kernel=attention.kernel,
-        device=e.device,
+        device=e.kernels,
         recompute=name,
         every=cfg.recompute.every,
         budget=cfg.recompute.memory_budget,

@@ -31,7 +31,7 @@ from llm.errors import ConfigError
 from llm.estimate.estimator import GIB
 from llm.inference.kv_cache import kv_bytes_per_token
 from llm.models import ModelArgs, build_model
-from llm.parallel.tensor_parallel import check_tensor_parallel, padded_vocab, tp_local_shapes
+from llm.parallel.tensor_parallel import check_tensor_parallel, tp_local_shapes
 from llm.precision import REDUCE_DTYPES
 
 
@@ -72,7 +72,7 @@ def inference_dtype(cfg: Config) -> str:
     """generate.dtype as python -m llm.generate resolves it on estimate.device: auto is bf16
     on a GPU, fp32 on CPU."""
     if cfg.generate.dtype == "auto":
-        return "bf16" if cfg.estimate.device == "cuda" else "fp32"
+        return "bf16" if cfg.estimate.kernels == "cuda" else "fp32"
     return cfg.generate.dtype
 
 
@@ -173,7 +173,7 @@ def estimate_inference(cfg: Config, args: ModelArgs) -> InferenceEstimate:
     e, tp = cfg.estimate, cfg.parallelism.tp_size
     batch, context = e.batch or 1, e.context or args.max_seq_len
     check_inference(cfg, args, context)
-    args = dataclasses.replace(args, vocab_size=padded_vocab(args.vocab_size, tp))
+    args = args.padded(cfg.model.vocab_multiple * tp)
     name = inference_dtype(cfg)
     dtype = REDUCE_DTYPES[name]  # the names of generate.dtype: fp32, bf16, fp16
     n, weights = weight_bytes(args, tp, e.rank % tp, dtype.itemsize)

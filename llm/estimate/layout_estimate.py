@@ -8,7 +8,8 @@ embedding and head where they live), ZeRO over the dp ranks; activations by the 
 the schedule keeps in flight on that rank.
 
 Time per step: each micro-batch on the slowest pipeline rank costs its compute at
-``flops_per_s`` plus its tensor-parallel all-reduces (on the critical path, as Megatron's
+``flops_per_s`` (or, with ``estimate.device`` naming a device profile, shape by shape at the
+rates measured on it: llm.estimate.device_time) plus its tensor-parallel all-reduces (on the critical path, as Megatron's
 are) plus the stage-boundary sends; the pipeline stretches m of them by 1/(1 - bubble).
 The data-parallel gradient reduction overlaps the last micro-batch's backward and only the
 rest shows; ZeRO-3's per-micro-batch parameter gathers are prefetched under compute (a
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from llm.config import OptimizerConfig
 from llm.estimate.activations import layer_terms, outside_by_stage, outside_terms
 from llm.estimate.cluster import Cluster, ring_seconds
+from llm.estimate.device_time import compute_seconds
 from llm.estimate.layout import (
     Layout,
     a2a_bytes,
@@ -133,6 +135,14 @@ def _flops_per_token(w: Workload, layout: Layout, pp_rank: int) -> float:
     return n / layout.tp
 
 
+def _compute_s(w: Workload, layout: Layout, pp_rank: int, cluster: Cluster) -> float:
+    """One micro-batch's compute on pipeline rank ``pp_rank``: shape by shape from the
+    device's profile where estimate.device names one, else every FLOP at flops_per_s."""
+    if cluster.profile is not None:
+        return compute_seconds(w.args, w.seq, w.backend, layout, pp_rank, cluster.profile)
+    return _flops_per_token(w, layout, pp_rank) * layout.micro_batch * w.seq / cluster.flops_per_s
+
+
 def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEstimate:
     itemsize = w.policy.working_dtype.itemsize
     b, s, h, m = layout.micro_batch, w.seq, w.args.d_model, layout.microbatches
@@ -149,7 +159,7 @@ def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEsti
             held = paper_states(experts, 1, 0, w.policy, w.optimizer).device
             states = {k: v + held[k] for k, v in states.items()}
         by_stage[name] = {**states, "activations": _activations(w, layout, r)}
-        compute = _flops_per_token(w, layout, r) * b * s / cluster.flops_per_s
+        compute = _compute_s(w, layout, r, cluster)
         # The blocks' collectives, and the embedding's forward and the head input's
         # backward all-reduce.
         blocks = rank_blocks(w.args.n_layers, layout, r) + (r == 0) + (r == layout.pp - 1)
@@ -171,7 +181,7 @@ def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEsti
         dp_payload, end_phases = m * 2 * params * itemsize + reduce, 1
     share = bubble(layout)
     pipeline_s = m * micro_batch_s / (1 - share)
-    last_backward = 2 / 3 * _flops_per_token(w, layout, 0) * b * s / cluster.flops_per_s
+    last_backward = 2 / 3 * _compute_s(w, layout, 0, cluster)
     dp_s = ring_seconds(reduce, layout.dp, dp_bw, phases=end_phases)
     total = max(sum(v.values()) for v in by_stage.values())
     return LayoutEstimate(

@@ -104,10 +104,10 @@ def plan(cfg: Config, args: ModelArgs) -> list[LayoutEstimate]:
     work = Workload(
         args=args,
         seq=cfg.data.seq_len,
-        policy=estimate_policy(cfg.precision.name, cfg.estimate.device, cfg.precision.fp8_recipe),
+        policy=estimate_policy(cfg.precision.name, cfg.estimate.kernels, cfg.precision.fp8_recipe),
         optimizer=cfg.optimizer,
         backend=estimate_attention(cfg, args).backend,
-        device=cfg.estimate.device,
+        device=cfg.estimate.kernels,
     )
     rows = [estimate_layout(work, lay, cluster) for lay in layouts(cfg, args, cluster, batch)]
     if not rows:

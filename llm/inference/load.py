@@ -10,7 +10,6 @@ checkpoint written before it did falls back to the run's .hydra/config.yaml for 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from llm.data import TOKENIZER_FILE, ByteTokenizer, Tokenizer, load_tokenizer
 from llm.errors import CheckpointError, ConfigError
 from llm.models import HFSource, ModelArgs, Transformer, build_model, materialize_from
 from llm.models.args import MoEArgs, RopeScaling
-from llm.parallel.tensor_parallel import padded_vocab
 from llm.train.checkpoint import SAVE_OR_LOAD_ERRORS, describe, single_process_quiet
 from llm.train.checkpoint_files import META, file_problem, list_checkpoints, read_meta, step_of
 
@@ -83,10 +81,8 @@ def _args_from_run_config(path: Path, tokenizer: Tokenizer) -> ModelArgs:
             "code that wrote it, or train again"
         )
     cfg = to_dataclass(OmegaConf.load(config))
-    args = model_args_for(cfg, tokenizer.vocab_size)
-    return dataclasses.replace(
-        args, vocab_size=padded_vocab(args.vocab_size, cfg.parallelism.tp_size)
-    )
+    rows = cfg.model.vocab_multiple * cfg.parallelism.tp_size
+    return model_args_for(cfg, tokenizer.vocab_size).padded(rows)
 
 
 def _tokenizer_for(path: Path, meta: dict, spec: str | None) -> Tokenizer:

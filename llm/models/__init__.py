@@ -18,7 +18,7 @@ from llm.models.freeze import freeze
 from llm.models.hf import from_hf, to_hf
 from llm.models.hf_source import HFSource
 from llm.models.shapes import MODEL_SHAPES, model_args
-from llm.models.transformer import Block, Transformer, model_blocks
+from llm.models.transformer import Block, Transformer, mask_padded_vocab, model_blocks
 from llm.models.weights import (
     InitSource,
     LocalSource,
@@ -51,6 +51,7 @@ __all__ = [
     "freeze",
     "from_hf",
     "local_region",
+    "mask_padded_vocab",
     "materialize",
     "materialize_from",
     "model_args",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from llm.errors import ConfigError
@@ -96,7 +97,10 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelArgs:
     family: str = "gpt2"  # gpt2 | llama
-    vocab_size: int = 50257
+    vocab_size: int = 50257  # rows of the embedding and head, padding included
+    # Set when vocab_size is padded past the tokenizer's (model.vocab_multiple, tensor
+    # parallel): the ids below it are real; the logits of the others are -inf (Transformer).
+    true_vocab_size: int | None = None
     max_seq_len: int = (
         1024  # GPT-2: rows of the position table; Llama: the longest sequence allowed
     )
@@ -123,6 +127,11 @@ class ModelArgs:
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
+        if self.true_vocab_size is not None and not 0 < self.true_vocab_size < self.vocab_size:
+            raise ConfigError(
+                f"true_vocab_size={self.true_vocab_size} must be in (0, vocab_size="
+                f"{self.vocab_size}); leave it unset for an unpadded vocabulary"
+            )
         if self.d_ff <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError("model.d_ff, norm_eps and init_std must be > 0")
         if not 0.0 <= self.dropout < 1.0:
@@ -153,6 +162,19 @@ class ModelArgs:
                 "model.moe: experts are SwiGLU MLPs of the llama family; use a llama shape "
                 "(model=moe-tiny) or drop model.moe"
             )
+
+    @property
+    def real_vocab_size(self) -> int:
+        """The ids that are tokens: the tokenizer's vocabulary, padding left out."""
+        return self.true_vocab_size or self.vocab_size
+
+    def padded(self, multiple: int) -> ModelArgs:
+        """This shape with its embedding and head rounded up to a multiple of ``multiple``
+        (Megatron's make-vocab-size-divisible-by), the real vocabulary kept."""
+        rows = -(-self.real_vocab_size // multiple) * multiple
+        if rows == self.real_vocab_size:
+            return dataclasses.replace(self, vocab_size=rows, true_vocab_size=None)
+        return dataclasses.replace(self, vocab_size=rows, true_vocab_size=self.real_vocab_size)
 
     @property
     def d_expert(self) -> int:

@@ -11,6 +11,7 @@ gate_up_proj (save_pretrained then writes them one tensor per expert, as the Hub
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -91,17 +92,28 @@ def from_hf(
     return materialize_from(model, source, torch.device(device))
 
 
+def _real_vocab(args: ModelArgs, state: StateDict) -> tuple[ModelArgs, StateDict]:
+    """The shape and weights with a padded vocabulary (model.vocab_multiple, tensor
+    parallel) cut back to the tokenizer's: the padded rows are no tokens."""
+    real = args.true_vocab_size
+    if real is None:
+        return args, state
+    tables = ("tok_embeddings.weight", "output.weight")
+    state = {k: v[:real] if k in tables else v for k, v in state.items()}
+    return dataclasses.replace(args, vocab_size=real, true_vocab_size=None), state
+
+
 def to_hf(model: Transformer, path: str | Path) -> None:
     """Write ``model`` as a directory that transformers' AutoModelForCausalLM.from_pretrained
     loads (config.json + model.safetensors), in the model's parameter dtype; a MoE shape
     Mixtral cannot express is refused before anything is written."""
     from transformers import AutoModelForCausalLM  # on use: ~2 s to import
 
-    args = model.args
+    args, ours = _real_vocab(model.args, model.state_dict())
     dtype = next(model.parameters()).dtype
     config = hf_config(args, dtype)
     convert = _gpt2_to_hf if args.family == "gpt2" else _llama_to_hf
-    state = {k: v.detach().cpu() for k, v in convert(model.state_dict(), args).items()}
+    state = {k: v.detach().cpu() for k, v in convert(ours, args).items()}
     with torch.device("meta"):  # an empty shell; the tensors come from our model
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     hf.load_state_dict(state, assign=True)

@@ -13,12 +13,34 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from llm.attention import Documents
 from llm.errors import ConfigError
 from llm.models.args import ModelArgs
 from llm.models.layers import Attention, GeluMLP, RMSNorm, SwiGLU
 from llm.models.moe import MoE
+
+
+def mask_padded_vocab(logits: Tensor, args: ModelArgs) -> Tensor:
+    """``logits`` (..., V) with the padded ids' columns at -inf (ModelArgs.true_vocab_size),
+    so that they take no probability, no gradient, and are never sampled. In place on a plain
+    tensor (the head's matmul keeps its inputs for backward, not its output); a
+    vocab-sharded DTensor (tensor parallel) is masked shard by shard."""
+    real = args.true_vocab_size
+    if real is None:
+        return logits
+    if not isinstance(logits, DTensor):
+        logits[..., real:] = float("-inf")
+        return logits
+    local = logits.to_local()
+    width = local.size(-1)  # the padded vocabulary divides evenly by tp (padded_vocab)
+    start = logits.device_mesh.get_local_rank() * width
+    ids = torch.arange(start, start + width, device=local.device)
+    masked = local.masked_fill(ids >= real, float("-inf"))
+    return DTensor.from_local(
+        masked, logits.device_mesh, logits.placements, shape=logits.shape, stride=logits.stride()
+    )
 
 
 def _norm(args: ModelArgs) -> nn.Module:
@@ -113,8 +135,9 @@ class Transformer(nn.Module):
             h = layer(h, docs, positions)
         h = self.norm(h)
         if head is not None:
-            return head(h, self.output.weight)
-        return self.output(h)  # (B, T, V)
+            # The fused loss sees the real tokens' rows only: padding takes no probability.
+            return head(h, self.output.weight[: self.args.real_vocab_size])
+        return mask_padded_vocab(self.output(h), self.args)  # (B, T, V)
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:

@@ -59,11 +59,13 @@ __all__ = [
 ]
 
 
-def padded_vocab(vocab_size: int, tp_size: int) -> int:
-    """Megatron's make-vocab-size-divisible: the next multiple of tp. The extra rows are
-    tokens the data never holds; they train as any unused token does (never a target, so
-    the softmax only pushes their logits down) and are not masked."""
-    return -(-vocab_size // tp_size) * tp_size
+def padded_vocab(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
+    """Megatron's make-vocab-size-divisible-by: the next multiple of ``multiple`` x tp
+    (model.vocab_multiple, tensor parallel's shards). The extra rows are never tokens: the
+    model gives their logits -inf (ModelArgs.true_vocab_size), so they take no probability,
+    no gradient and are never sampled."""
+    step = multiple * tp_size
+    return -(-vocab_size // step) * step
 
 
 def check_tensor_parallel(args: ModelArgs, tp_size: int, seq_len: int, sp: bool) -> None:

@@ -23,7 +23,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import Tensor, nn
 
-from llm.models import Transformer, WeightSource, param_name
+from llm.models import Transformer, WeightSource, mask_padded_vocab, param_name
 from llm.parallel.pipeline.layout import PipelineLayout
 
 TIED_HEAD = "output.weight"
@@ -128,7 +128,7 @@ class Stage(nn.Module):
             for block in self.layers.values():
                 x = block(x)
             if self.last:
-                x = self.output(self.norm(x))
+                x = mask_padded_vocab(self.output(self.norm(x)), self._part[0].args)
             return x
 
 
