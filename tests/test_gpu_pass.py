@@ -293,6 +293,27 @@ def test_a_stamp_carries_the_commit_to_a_copy_without_git_and_a_changed_copy_is_
     }  # fmt: skip
 
 
+def test_a_matching_stamp_outranks_a_stale_git_that_travelled_with_the_copy(tmp_path):
+    repo, copy = tmp_path / "repo", tmp_path / "copy"
+    repo.mkdir()
+    commit = ("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-am")
+    (repo / "a.py").write_text("A = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "a.py")
+    _git(repo, *commit, "a")
+    (repo / "a.py").write_text("A = 2\n")
+    _git(repo, *commit, "b")
+    stamp = provenance.stamp(repo)
+    assert stamp["dirty"] is False
+    shutil.copytree(repo, copy)
+    _git(copy, "reset", "-q", "--soft", "HEAD~1")  # the copy's .git one commit behind
+    tree = provenance.current(copy)
+    assert (tree.sha, tree.dirty, tree.source) == (stamp["sha"], False, provenance.STAMP_NAME)
+    (copy / "a.py").write_text("A = 3\n")  # the stamp no longer holds: git's answer stands
+    tree = provenance.current(copy)
+    assert tree.source == "git" and tree.dirty is True and tree.sha != stamp["sha"]
+
+
 def test_a_file_a_section_read_that_the_stamp_does_not_list_makes_the_record_dirty():
     tree = provenance.Tree("d" * 40, False, provenance.STAMP_NAME, {"a.py"})
     record = {"sections": {"quick": {"provenance": provenance.section_files([], ())}}}

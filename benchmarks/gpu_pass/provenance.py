@@ -158,23 +158,43 @@ def tracked_files(root: Path = REPO) -> list[str]:
     return sorted({p for p in listed.split("\0") if p and p != STAMP_NAME})
 
 
-def from_stamp(root: Path = REPO) -> Tree | None:
+def _stamp_and_changes(root: Path) -> tuple[dict, list[str]] | None:
     path = root / STAMP_NAME
     if not path.exists():
         return None
     stamp = json.loads(path.read_text())
-    changed = [p for p, h in stamp["files"].items() if file_hash(root / p) != h]
+    return stamp, [p for p, h in stamp["files"].items() if file_hash(root / p) != h]
+
+
+def _stamp_tree(stamp: dict) -> Tree:
+    return Tree(stamp["sha"], stamp["dirty"], STAMP_NAME, set(stamp["files"]))
+
+
+def from_stamp(root: Path = REPO) -> Tree | None:
+    found = _stamp_and_changes(root)
+    if found is None:
+        return None
+    stamp, changed = found
     if changed:
         raise SystemExit(
             f"{STAMP_NAME}: {len(changed)} files changed since it was written (first: "
             f"{changed[0]}); write it again (make gpu-stamp) from the tree that travels"
         )
-    return Tree(stamp["sha"], stamp["dirty"], STAMP_NAME, set(stamp["files"]))
+    return _stamp_tree(stamp)
 
 
 def current(root: Path = REPO, skip: tuple[Path, ...] = ()) -> Tree:
-    """git where it answers, else the stamp, else unknown."""
-    return from_git(root, skip) or from_stamp(root) or Tree(None, None, None)
+    """git where it says the tree is clean; else a stamp every file of which is as stamped
+    (a copy can carry a stale ``.git`` beside the stamp written for it: the device copy of
+    2026-11-28 had HEAD one commit behind, so git called the stamped tree dirty); else git;
+    else the stamp (refused where its files changed); else unknown."""
+    git = from_git(root, skip)
+    if git is not None and git.dirty is False:
+        return git
+    found = _stamp_and_changes(root)
+    if found is not None and not found[1]:
+        return _stamp_tree(found[0])
+    return git or from_stamp(root) or Tree(None, None, None)
 
 
 def stamp(root: Path = REPO) -> dict:
