@@ -21,7 +21,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_pass.common import NOT_MEASURED, Goal, Result, checkpoint, deadline, device
-from benchmarks.gpu_pass.speed_rows import Row, in_fresh_process, run_row, write_tokens
+from benchmarks.gpu_pass.speed_rows import (
+    VOCAB_MULTIPLE,
+    Row,
+    in_fresh_process,
+    run_row,
+    write_tokens,
+)
 from benchmarks.gpu_pass.titan import titan_row
 from llm.models import ModelArgs, model_args
 from llm.models.counting import flops_per_token
@@ -57,8 +63,9 @@ class Shape:
 
 
 # llama-1b: its published vocabulary (128,256; conf/model/llama-1b.yaml takes the tokenizer's
-# in runs) and 4 of its 16 layers, to keep each compile short. On an H200 (2026-11-28, no
-# torchtitan installed) eight rows took 205 s and the last two in ORDER were past the limit.
+# in runs) and 4 of its 16 layers, to keep each compile short. On an H200 (2026-11-28, an
+# exploratory run from an uncommitted tree, no torchtitan) eight rows took 205 s: a compiled
+# row 40-60 s, an eager one about 15 s, torchtitan's two about 50 s together.
 # 4 x 2048 tokens peaked at 25 GB (transformers, eager): every row fits an H100's 80 GB.
 GPU = {
     "gpt2": Shape("gpt2-small", 16, 1024),
@@ -256,10 +263,12 @@ def run(dry: bool) -> Result:
     shapes = DRY if dry else GPU
     steps, warmup = STEPS[dry]
     notes = [
-        "ours: the repository's model, attention=auto's pick, the fused loss the trainer hands "
-        "the model as its head, torch's fused AdamW, in a step of this section's (not "
-        "llm/train's Trainer, which reads text through a tokenizer); transformers: the same "
-        "shape, sdpa, the same autocast and AdamW, fp32 cross-entropy of its logits"
+        "ours: the repository's model, attention=auto's pick, the vocabulary padded to a "
+        f"multiple of {VOCAB_MULTIPLE} (model.vocab_multiple; the padded logits -inf), eager with "
+        "the fused loss the trainer hands the model as its head, compiled with the plain loss, "
+        "torch's fused AdamW, in a step of this section's (not llm/train's Trainer, which reads "
+        "text through a tokenizer); transformers: the same shape, sdpa, the same autocast and "
+        "AdamW, fp32 cross-entropy of its logits"
     ]
     rows: list[dict] = []
     said: set[str] = set()
