@@ -13,6 +13,9 @@ Which file answers what:
   deepspeed_own.py   DeepSpeed's own model-state estimators, beside ours
   plan.py, layout.py, layout_estimate.py, schedule_steps.py, cluster.py
                      the plan: dp x tp x pp x ep x ZeRO x recompute layouts, their time
+  device_profile.py, device_time.py
+                     estimate.device: a device's measured rates, compute time shape by shape
+  published_runs.py  the time model against Megatron-LM's Table 1 and BLOOM-176B
   startup.py         the estimate train.py prints before a run
   inference.py       estimate.mode=inference: a tp rank's weights, KV cache and working
                      memory for a batch and a context, and the batch / context that fit

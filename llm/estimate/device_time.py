@@ -40,6 +40,22 @@ def weights_flops_per_s(args: ModelArgs, tokens: int, tp: int, profile: DevicePr
     return 1 / seconds_per_flop
 
 
+def block_seconds(
+    args: ModelArgs, seq: int, backend: str, layout: Layout, profile: DeviceProfile
+) -> float:
+    """One block's compute for one micro-batch on one tp rank, with the forward that
+    ``layout.recompute`` replays."""
+    tp, tokens = layout.tp, layout.micro_batch * seq
+    weights = block_params(args, 1) if args.moe is None else blocks_params(args, active=True)
+    weights = weights if args.moe is None else weights / args.n_layers
+    weights_s = 6 * weights * tokens / tp / weights_flops_per_s(args, tokens, tp, profile)
+    attention = 12 * seq * args.n_heads * args.head_dim * tokens / tp
+    attention_s = attention / profile.attention_flops_per_s(backend, args.head_dim, seq)
+    block_s = weights_s + attention_s
+    replay = {"none": 0.0, "selective": attention_s / 3, "full": block_s / 3}[layout.recompute]
+    return block_s + replay
+
+
 def compute_seconds(
     args: ModelArgs,
     seq: int,
@@ -49,16 +65,10 @@ def compute_seconds(
     profile: DeviceProfile,
 ) -> float:
     """One micro-batch's compute on one tp rank of pipeline rank ``pp_rank``."""
-    tp, tokens = layout.tp, layout.micro_batch * seq
-    weights = block_params(args, 1) if args.moe is None else blocks_params(args, active=True)
-    weights = weights if args.moe is None else weights / args.n_layers
-    weights_s = 6 * weights * tokens / tp / weights_flops_per_s(args, tokens, tp, profile)
-    attention = 12 * seq * args.n_heads * args.head_dim * tokens / tp
-    attention_s = attention / profile.attention_flops_per_s(backend, args.head_dim, seq)
-    block_s = weights_s + attention_s
-    replay = {"none": 0.0, "selective": attention_s / 3, "full": block_s / 3}[layout.recompute]
-    total = rank_blocks(args.n_layers, layout, pp_rank) * (block_s + replay)
+    block_s = block_seconds(args, seq, backend, layout, profile)
+    total = rank_blocks(args.n_layers, layout, pp_rank) * block_s
     if pp_rank == layout.pp - 1:
+        tp, tokens = layout.tp, layout.micro_batch * seq
         vocab = padded_vocab(args.vocab_size, tp)
         head = 6 * vocab * args.d_model * tokens / tp
         total += head / profile.matmul_flops_per_s(tokens, args.d_model, vocab / tp)
