@@ -26,6 +26,12 @@ def train(monkeypatch, tmp_path):
     return module
 
 
+def _command(train, args: list[str]) -> int:
+    """``python train.py ARGS``: a command of its own, not a job of the one before."""
+    train.JOBS.clear()
+    return train.cli(args)
+
+
 def _lines_of(path: Path, start: int = 0) -> list[str]:
     return path.read_text().splitlines()[start:]
 
@@ -38,7 +44,7 @@ def test_a_run_its_resume_and_a_refusal_land_in_train_log(
     args.append(f"hydra.run.dir={out}")
     log = out / "train.log"
 
-    assert train.cli([*args, "train.max_steps=4"]) == 0
+    assert _command(train, [*args, "train.max_steps=4"]) == 0
     first = _lines_of(log)
     said = "\n".join(first)
     for line in (
@@ -54,7 +60,7 @@ def test_a_run_its_resume_and_a_refusal_land_in_train_log(
     assert f"saved checkpoint {out / 'checkpoints' / 'step_000004'}" in err
     assert not any("[rank 0]" in line for line in err)
 
-    assert train.cli([*args, "train.max_steps=6"]) == 0
+    assert _command(train, [*args, "train.max_steps=6"]) == 0
     resumed = "\n".join(_lines_of(log, len(first)))
     assert (
         f"[rank 0][llm.console][INFO] - resumed from {out / 'checkpoints' / 'step_000004'} "
@@ -63,7 +69,7 @@ def test_a_run_its_resume_and_a_refusal_land_in_train_log(
     assert "saved checkpoint" in resumed and "done: 6 steps" in resumed
     before = len(_lines_of(log))
 
-    assert train.cli([*args, "data.seq_len=100000"]) == 1
+    assert _command(train, [*args, "data.seq_len=100000"]) == 1
     (refusal,) = _lines_of(log, before)
     assert "[rank 0][llm.console][ERROR] - error: data.seq_len=100000 exceeds" in refusal
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: data.seq_len=100000")
