@@ -10,8 +10,10 @@ these ends in a traceback or leaves a folder behind.
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -21,6 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from llm.config import register_configs, to_dataclass
 from llm.errors import Interrupted, LabError
+
+if TYPE_CHECKING:
+    from llm.dist import RankEnv
 
 register_configs()
 # Absolute: Hydra finds it however this file is loaded (as a script, or by path in tests).
@@ -44,9 +49,25 @@ def _run_record(dict_cfg: DictConfig) -> dict[str, str]:
 @hydra.main(version_base="1.3", config_path=CONF, config_name="config")
 @record  # under torchrun, a rank's traceback reaches torchrun's failure report
 def main(dict_cfg: DictConfig) -> float | None:
+    """One job: every line it shows, and every record it logs, also lands in its run
+    directory's train.log, prefixed with the rank that wrote it (docs/design.md)."""
+    from llm.launch import external_rank_env
+    from llm.logging import run_log
+
+    env = external_rank_env()
+    if env is not None:
+        who = f"rank {env.rank}"
+    else:  # one local rank runs in this process; more are spawned, and it launches them
+        who = "rank 0" if dict_cfg.launcher.nproc_per_node == 1 else "launcher"
+    with run_log(Path(HydraConfig.get().runtime.output_dir), who):
+        return _job(dict_cfg, env)
+
+
+def _job(dict_cfg: DictConfig, env: RankEnv | None) -> float | None:
     from llm.cli_report import print_run_end, remove_unused_run_dir
     from llm.estimate.startup import announce_estimate
-    from llm.launch import external_rank_env, launch, stopped_message
+    from llm.launch import launch, stopped_message
+    from llm.logging import say
     from llm.validate import validate
 
     hydra_cfg = HydraConfig.get()
@@ -57,7 +78,6 @@ def main(dict_cfg: DictConfig) -> float | None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     job = {"dir": run_dir, "overrides": " ".join(hydra_cfg.overrides.task), "summary": None}
     JOBS.append(job)
-    env = external_rank_env()
     try:
         cfg = to_dataclass(dict_cfg)
         validate(cfg, world_size=env.world_size if env else None)
@@ -79,7 +99,7 @@ def main(dict_cfg: DictConfig) -> float | None:
             # A refused config leaves no empty folder (a sweep keeps its job's folder: the
             # sweep's record of that job).
             remove_unused_run_dir(run_dir)
-        print(f"{label}: {exc}", file=sys.stderr)
+        say(f"{label}: {exc}", logging.WARNING if isinstance(exc, Interrupted) else logging.ERROR)
         raise SystemExit(exc.exit_code) from None
     job["summary"] = summary
     if env is None or env.rank == 0:
@@ -94,6 +114,7 @@ def cli(argv: list[str]) -> int:
     disk are refused in one line before Hydra writes anything."""
     from llm.cli_report import print_sweep_table
     from llm.launch import external_rank_env, strip_launcher_args
+    from llm.logging import say
     from llm.preflight import check_disk, check_override_keys
     from llm.train.stop import exit_code, stop_guard
 
@@ -105,7 +126,7 @@ def cli(argv: list[str]) -> int:
             check_override_keys(argv)
             check_disk(argv)
         except LabError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            say(f"error: {exc}", logging.ERROR)
             return exc.exit_code
         sys.argv = [sys.argv[0], *argv]
         try:
@@ -113,7 +134,7 @@ def cli(argv: list[str]) -> int:
         except SystemExit as exc:
             return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         except KeyboardInterrupt:  # a second Ctrl-C before the run began
-            print("stopped: interrupted (Ctrl-C) before the run began", file=sys.stderr)
+            say("stopped: interrupted (Ctrl-C) before the run began", logging.WARNING)
             return exit_code("SIGINT")
         finally:
             if len(JOBS) > 1:

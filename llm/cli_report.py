@@ -1,19 +1,15 @@
 """What train.py tells a person when a run or a sweep ends, and the folder a refused
-config must not leave behind. Lines go to stderr beside the run's log, unwrapped (paths
-are copied from them)."""
+config must not leave behind. Lines go to stderr, unwrapped (paths are copied from them),
+and to the run's train.log (llm.logging.say)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
+from llm.logging import say
 from llm.train.checkpoint_files import list_checkpoints
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def _loss(value) -> str:
@@ -36,20 +32,20 @@ def print_run_end(summary: dict, output_dir: Path) -> None:
     checkpoint are, and how the W&B run is reached (summary.json names it)."""
     written = output_dir / "summary.json"
     summary = json.loads(written.read_text()) if written.exists() else summary
-    _say(
+    say(
         f"done: {summary.get('steps')} steps; final train loss "
         f"{_loss(summary.get('final_train_loss'))}, val loss {_loss(summary.get('final_val_loss'))}"
     )
-    _say(f"  summary: {output_dir / 'summary.json'}")
+    say(f"  summary: {output_dir / 'summary.json'}")
     found = list_checkpoints(output_dir / "checkpoints")
-    _say(f"  checkpoint: {found[-1] if found else 'none (checkpoint.enabled=false)'}")
+    say(f"  checkpoint: {found[-1] if found else 'none (checkpoint.enabled=false)'}")
     if line := _wandb_line(summary):
-        _say(f"  {line}")
+        say(f"  {line}")
 
 
 def print_sweep_table(jobs: list[dict]) -> None:
     """One row per job of a sweep: its status, final losses, overrides and folder."""
-    _say(f"sweep: {len(jobs)} jobs")
+    say(f"sweep: {len(jobs)} jobs")
     rows = [("job", "status", "train loss", "val loss", "overrides", "folder")]
     for i, job in enumerate(jobs):
         s = job.get("summary") or {}
@@ -66,7 +62,7 @@ def print_sweep_table(jobs: list[dict]) -> None:
         )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
     for r in rows:
-        _say("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[-1])
+        say("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[-1])
 
 
 def remove_unused_run_dir(run_dir: Path, levels: int = 3) -> None:

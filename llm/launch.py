@@ -23,6 +23,7 @@ from llm.agent_watch import watch_agent
 from llm.config import Config
 from llm.dist import RankEnv
 from llm.errors import Interrupted, LabError, TrainingError
+from llm.logging import run_log
 from llm.rank_failures import rank_failure, record_rank_failure
 from llm.run_dir_lock import RunDirLock
 from llm.run_record import write_run_record
@@ -276,7 +277,8 @@ def _rank_entry(
     export_local_rank(env)
     ignore_in_rank(os.environ)  # submitit's preemption signal: the launcher passes it on
     try:
-        with stop_guard():  # before anything is built: a SIGTERM from here on is a stop
+        # This rank's lines reach the run's train.log; a SIGTERM from here on is a stop.
+        with run_log(Path(cfg.output_dir), f"rank {local_rank}"), stop_guard():
             rank_main(cfg, env)
     except (SystemExit, KeyboardInterrupt):
         raise

@@ -1,13 +1,19 @@
 """One logging interface for a run: metrics.jsonl (always), Weights & Biases (logger=wandb),
 and the console (a rich progress bar on a terminal, plain lines otherwise). Rank 0 logs;
 other ranks get a logger that does nothing.
+
+Every line a run shows at the console is a Python ``logging`` record (``say``): a handler
+prints it as it was printed before, and while ``run_log`` is open the run directory's
+train.log receives it, and every other record of the process, prefixed with its rank.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +28,120 @@ from llm.disk import no_space_message, says_no_space
 from llm.errors import DiskFullError
 
 ROLLED_BACK_METRICS = "metrics.rolled_back.jsonl"
+# The logger of the lines a run shows the person at its console.
+CONSOLE = "llm.console"
+# Hydra's job log in the run directory (hydra/job_logging: ${hydra.job.name}.log, train.py's).
+RUN_LOG = "train.log"
+
+
+class ConsoleLines(logging.Handler):
+    """Prints each record's message as it is, unwrapped and never read as markup (lines
+    carry paths): on the rich console the record names (a RunLogger's: above its progress
+    bar), else on stderr, or on stdout when the record says so."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+            console = getattr(record, "console", None)
+            if console is not None:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+                return
+            stream = sys.stdout if getattr(record, "stdout", False) else sys.stderr
+            stream.write(line + "\n")
+            stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def _console_logger() -> logging.Logger:
+    logger = logging.getLogger(CONSOLE)
+    if not any(isinstance(h, ConsoleLines) for h in logger.handlers):
+        logger.addHandler(ConsoleLines())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # not also through Hydra's console handler, in its format
+    logger.disabled = False  # the run's own lines, even under hydra/job_logging=disabled
+    return logger
+
+
+def say(
+    line: str, level: int = logging.INFO, *, stdout: bool = False, console: Console | None = None
+) -> None:
+    """Show ``line`` at the console (stderr; ``stdout``: stdout; ``console``: that rich
+    console) and, while a run log is open, append it to the run's train.log."""
+    _console_logger().log(level, line, extra={"stdout": stdout, "console": console})
+
+
+def _run_log_path(run_dir: Path) -> str:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return os.path.abspath(Path(run_dir) / RUN_LOG)
+
+
+class RunLogFile(logging.FileHandler):
+    """A run directory's train.log, appended to by every process of the run; each line
+    names who wrote it: ``[time][rank 1][logger][LEVEL] - message``."""
+
+    def __init__(self, run_dir: Path, who: str) -> None:
+        super().__init__(_run_log_path(run_dir), mode="a", encoding="utf-8")
+        self.setFormatter(
+            logging.Formatter(f"[%(asctime)s][{who}][%(name)s][%(levelname)s] - %(message)s")
+        )
+
+    def move_to(self, run_dir: Path) -> None:
+        """Append to ``run_dir``'s train.log from now on."""
+        path = _run_log_path(run_dir)
+        if path == self.baseFilename:
+            return
+        self.baseFilename = path
+        self.setStream(open(path, "a", encoding=self.encoding)).close()  # noqa: SIM115
+
+
+_OPEN_RUN_LOGS: list[RunLogFile] = []
+
+
+@contextmanager
+def run_log(run_dir: Path, who: str) -> Iterator[None]:
+    """While open, this process's console lines and its records at INFO and above are
+    appended to ``run_dir``/train.log, prefixed with ``who`` ("rank 1", "launcher").
+    Hydra's own handler of that file (it writes without the prefix) steps aside meanwhile.
+    In a process whose logging nobody configured (a spawned rank), warnings still reach
+    stderr as logging's last resort printed them there."""
+    root = logging.getLogger()
+    file = RunLogFile(run_dir, who)
+    hydras = [
+        h
+        for h in root.handlers
+        if isinstance(h, logging.FileHandler) and h.baseFilename == file.baseFilename
+    ]
+    added = [file] if root.handlers else [file, ConsoleLines(logging.WARNING)]
+    level = root.level
+    for handler in hydras:
+        root.removeHandler(handler)
+    for handler in added:
+        root.addHandler(handler)
+    if level > logging.INFO:
+        root.setLevel(logging.INFO)
+    lines = _console_logger()
+    lines.addHandler(file)
+    _OPEN_RUN_LOGS.append(file)
+    try:
+        yield
+    finally:
+        _OPEN_RUN_LOGS.remove(file)
+        lines.removeHandler(file)
+        for handler in added:
+            root.removeHandler(handler)
+        for handler in hydras:
+            root.addHandler(handler)
+        root.setLevel(level)
+        file.close()
+
+
+def run_log_moves_to(run_dir: Path) -> None:
+    """The open run log appends to ``run_dir``'s train.log from now on (rank 0's run
+    directory, when this rank's own Hydra run directory is another); no-op when none is
+    open."""
+    if _OPEN_RUN_LOGS:
+        _OPEN_RUN_LOGS[-1].move_to(run_dir)
 
 
 PER_LAYER = "_per_layer"  # a list under a key ending so has one item per block, not per rank
@@ -161,17 +281,15 @@ class RunLogger:
                 if k in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s")
                 and v is not None  # a probe step's line has no timing of its own
             )
-            line = f"step {step:>6}/{self.max_steps}  {shown}"
-            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            say(f"step {step:>6}/{self.max_steps}  {shown}", console=self.console)
 
     def alert(self, message: str) -> None:
-        # Messages carry paths: never wrapped, never read as rich markup.
-        self.console.print(f"alert: {message}", markup=False, highlight=False, soft_wrap=True)
+        say(f"alert: {message}", logging.WARNING, console=self.console)
         if self.wandb_run is not None:
             self.wandb_run.alert(title="training alert", text=message)
 
     def info(self, message: str) -> None:
-        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
+        say(message, console=self.console)
 
     def summary(self, summary: dict[str, Any]) -> None:
         if self.wandb_run is not None:

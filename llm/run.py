@@ -23,7 +23,7 @@ from llm.data import build_train_loader, build_val_loader, prepare_data, save_to
 from llm.data.prefetch import Prefetcher
 from llm.dist import RankEnv, gather_object, init_distributed
 from llm.errors import ConfigError
-from llm.logging import NullLogger, RunLogger
+from llm.logging import NullLogger, RunLogger, run_log_moves_to
 from llm.memory import PeakTracker
 from llm.models import (
     HFSource,
@@ -153,10 +153,11 @@ def _main(
     )
     if dist.is_initialized() and env.world_size > 1:
         # Under torchrun/Slurm every rank ran Hydra and may have its own timestamped run
-        # directory: rank 0's is the run's.
+        # directory: rank 0's is the run's, and its train.log every rank's.
         shared = [cfg.output_dir]
         dist.broadcast_object_list(shared, src=0)
         cfg = dataclasses.replace(cfg, output_dir=shared[0])
+        run_log_moves_to(Path(cfg.output_dir))
     tracker = PeakTracker(device, cfg.train.memory_tracking)
     lock = RunDirLock(Path(cfg.output_dir))
     try:

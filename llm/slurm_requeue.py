@@ -25,13 +25,14 @@ stop on to its ranks as SIGTERM.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Mapping
 
 from llm.errors import Interrupted
+from llm.logging import say
 from llm.train.stop import exit_code
 
 
@@ -106,13 +107,13 @@ def _requeue(stopped: Interrupted, env, sig, submitit_handler) -> None:
         raise SystemExit(0)
     state = job_state(env.get("SLURM_JOB_ID", ""))
     if state != "RUNNING":
-        print(f"not requeued: the job is {state or 'unknown to scontrol'}", file=sys.stderr)
+        say(f"not requeued: the job is {state or 'unknown to scontrol'}", logging.WARNING)
         raise stopped
-    print(f"stopped: {stopped}", file=sys.stderr)
-    print("requeueing the job through submitit: it resumes from there", file=sys.stderr, flush=True)
+    say(f"stopped: {stopped}", logging.WARNING)
+    say("requeueing the job through submitit: it resumes from there")
     received = signal.Signals(stopped.exit_code - 128) if stopped.exit_code > 128 else sig
     try:
         submitit_handler(received, None)  # checkpoint(), scontrol requeue, sys.exit
     except subprocess.CalledProcessError as exc:
-        print(f"error: the job was not requeued: {exc}", file=sys.stderr, flush=True)
+        say(f"error: the job was not requeued: {exc}", logging.ERROR)
     raise stopped

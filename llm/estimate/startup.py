@@ -4,13 +4,14 @@ and its one-line warning on CUDA when the run will not fit the device."""
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 
 import torch
 
 from llm.config import Config
 from llm.estimate.estimator import GIB, estimate
 from llm.estimate.report import human, largest_stage
+from llm.logging import say
 from llm.validate import model_args_for, resolve_device, tokenizer_vocab_size
 
 
@@ -30,15 +31,15 @@ def announce_estimate(cfg: Config, world: int) -> None:
     run = dataclasses.replace(cfg, estimate=est_cfg)
     est = estimate(run, model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg)))
     if est.stages is None:
-        print(f"estimate per rank: {_rows(est.device)} (python -m llm.estimate)")
+        say(f"estimate per rank: {_rows(est.device)} (python -m llm.estimate)", stdout=True)
     else:
         for stage in est.stages:
             name = f"pipeline stage {stage.pp_rank} (rank {stage.rank})"
-            print(f"estimate {name}: {_rows(stage.device)}")
-        print(f"estimate: {largest_stage(est)} (python -m llm.estimate)")
+            say(f"estimate {name}: {_rows(stage.device)}", stdout=True)
+        say(f"estimate: {largest_stage(est)} (python -m llm.estimate)", stdout=True)
     if device.type == "cuda" and not est.fits:
-        print(
+        say(
             f"warning: the estimate {human(est.total)} exceeds this GPU's "
             f"{human(est.device_memory)}; try python -m llm.estimate estimate.plan=true",
-            file=sys.stderr,
+            logging.WARNING,
         )
