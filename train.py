@@ -1,8 +1,9 @@
 """Train a language model: `python train.py [group=option ...] [key=value ...]`.
 
 Hydra composes conf/config.yaml with the command line; the result is checked against the
-typed schemas in llm/config.py and by llm/validate.py before any rank starts, then
-llm/launch.py runs it (spawning local ranks, or as one rank of torchrun / Slurm / deepspeed).
+typed schemas in llm/config/ and by llm/validate/ before any rank starts, then
+llm/launch/launcher.py runs it (spawning local ranks, or as one rank of torchrun / Slurm /
+deepspeed).
 Before Hydra runs, the signal guard is installed (a signal at any moment stops the run
 with a checkpoint), override keys are checked for typos and the disk for room, so none of
 these ends in a traceback or leaves a folder behind.
@@ -44,9 +45,9 @@ def _run_record(dict_cfg: DictConfig) -> dict[str, str]:
 @hydra.main(version_base="1.3", config_path=CONF, config_name="config")
 @record  # under torchrun, a rank's traceback reaches torchrun's failure report
 def main(dict_cfg: DictConfig) -> float | None:
-    from llm.cli_report import print_run_end, remove_unused_run_dir
     from llm.estimate.startup import announce_estimate
-    from llm.launch import external_rank_env, launch, stopped_message
+    from llm.launch.cli_report import print_run_end, remove_unused_run_dir
+    from llm.launch.launcher import external_rank_env, launch, stopped_message
     from llm.validate import validate
 
     hydra_cfg = HydraConfig.get()
@@ -92,9 +93,9 @@ def cli(argv: list[str]) -> int:
     """train.py's command line: the exit status. Signals are recorded from the start (the
     terminal's owner says at once what happens next); typos in override keys and a full
     disk are refused in one line before Hydra writes anything."""
-    from llm.cli_report import print_sweep_table
-    from llm.launch import external_rank_env, strip_launcher_args
-    from llm.preflight import check_disk, check_override_keys
+    from llm.launch.cli_report import print_sweep_table
+    from llm.launch.launcher import external_rank_env, strip_launcher_args
+    from llm.runfiles.preflight import check_disk, check_override_keys
     from llm.train.stop import exit_code, stop_guard
 
     env = external_rank_env()

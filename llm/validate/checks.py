@@ -1,12 +1,11 @@
 """Cross-group checks on a whole Config, run once before any rank starts.
 
 Each failure is a ConfigError with one line naming the problem and the fix; single-group
-checks live in the dataclasses' ``__post_init__`` (llm/config.py).
+checks live in the dataclasses' ``__post_init__`` (llm/config/).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -14,16 +13,16 @@ from pathlib import Path
 import torch
 
 from llm.attention import check_kernel, get_kernel, resolve_for
+from llm.build import model_args_for, resolve_device, tokenizer_vocab_size
 from llm.config import Config
-from llm.data.tokenizer import ByteTokenizer
 from llm.errors import ConfigError
-from llm.models import HFSource, ModelArgs, build_model, freeze, model_args
+from llm.models import HFSource, ModelArgs, build_model, freeze
 from llm.optim import ELEMENTWISE, OPTIMIZERS
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline import check_layout
 from llm.parallel.strategy import refuse_optimizer
 from llm.parallel.tensor_parallel import check_tensor_parallel, kv_replicated
-from llm.precision import resolve_precision
+from llm.precision import precision_for
 from llm.precision.fp8 import convert_to_fp8
 from llm.train.checkpoint_files import META, list_checkpoints, step_of
 from llm.train.loss import unavailable as fused_loss_unavailable
@@ -34,47 +33,6 @@ log = logging.getLogger(__name__)
 RANKS_PER_CORE_LIMIT = 4
 # The strategies that hold expert slices (parallelism.ep_size > 1).
 EP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-
-
-def resolve_device(cfg: Config) -> torch.device:
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
-    if cfg.train.device == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda")
-
-
-def tokenizer_vocab_size(cfg: Config) -> int:
-    """The vocabulary the run's tokenizer will have, known before it is built: the byte
-    tokenizer's 257, else data.vocab_size (the size a BPE is trained to; an HF tokenizer's
-    own is known only once loaded)."""
-    return ByteTokenizer.vocab_size if cfg.data.tokenizer == "byte" else cfg.data.vocab_size
-
-
-def model_args_for(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
-    """The registry shape named by model.name with the config's overrides applied;
-    ``vocab_size`` (the tokenizer's) fills in when model.vocab_size is unset."""
-    m = cfg.model
-    return model_args(
-        m.name,
-        vocab_size=m.vocab_size or vocab_size,
-        max_seq_len=m.max_seq_len,
-        d_model=m.d_model,
-        n_layers=m.n_layers,
-        n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads,
-        d_ff=m.d_ff,
-        dropout=m.dropout,
-        moe=dataclasses.asdict(m.moe),
-    )
-
-
-def precision_for(cfg: Config, device: torch.device):
-    """The run's precision policy on ``device``, from every precision.* key."""
-    p = cfg.precision
-    return resolve_precision(
-        p.name, device, p.update_rounding, p.reduce_dtype, p.fp8_recipe, p.fp8_emulate
-    )
 
 
 def check_vocab(cfg: Config, args: ModelArgs) -> None:
