@@ -9,7 +9,7 @@
 # stand-in, below) first on PATH. No systemd, no munge (auth/none, cred/none), no accounting.
 # Two nodes share this host, each slurmd on its own port (`slurmd -N NAME`): their names are
 # this host's name and `localhost`, so a job's first node name resolves as on a real
-# cluster (llm.launch.launcher takes MASTER_ADDR from it). `srun -N2 -n2` puts one task on each.
+# cluster (llm.launch takes MASTER_ADDR from it). `srun -N2 -n2` puts one task on each.
 #
 # Only what `start` started is ended: every daemon carries SLURM_LOCAL_DIR=DIR in its
 # environment (slurmstepd inherits it), and `stop` signals those processes by id.

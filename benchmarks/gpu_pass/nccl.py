@@ -3,7 +3,7 @@ gloo, each trained by train.py's code on gpt2-tiny (moe-tiny for expert parallel
 same seed and data as ``parallelism=single``, its every step's loss against single's; and
 the host syncs of each step under ``torch.cuda.set_sync_debug_mode("warn")``.
 
-One process runs the world-size-1 rows in turn (llm.launch.launcher: each run joins a fresh process
+One process runs the world-size-1 rows in turn (llm.launch: each run joins a fresh process
 group and destroys it at its end), while two spawned processes run the two-rank rows on the
 same GPU: they first try each collective the strategies use on a CUDA tensor over gloo, and
 train only the strategies whose collectives all ran (benchmarks/gpu_pass/nccl_runs.py). The
@@ -203,7 +203,8 @@ def deepspeed_missing() -> str | None:
 
 def free_ports(n: int, start: int = 20000, stop: int = 32000) -> list[int]:
     """``n`` ports free now below Linux's ephemeral range (32768 up), so none of them is one
-    the runs of this process are handed meanwhile (llm.launch.launcher.free_port binds port 0)."""
+    the runs of this process are handed meanwhile (llm.launch.launcher.free_port binds port
+    0)."""
     ports = []
     for port in range(start, stop):
         with socket.socket() as s:

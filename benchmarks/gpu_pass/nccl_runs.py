@@ -1,4 +1,4 @@
-"""The runs behind the nccl section: each strategy trained by train.py's code (llm.launch.launcher /
+"""The runs behind the nccl section: each strategy trained by train.py's code (llm.launch /
 llm.run.main) on a config composed from conf/ as train.py composes it, with every step's
 loss and (on CUDA) every host sync recorded per step.
 
@@ -151,7 +151,7 @@ def run_config(overrides: list[str], world_size: int):
 
 
 def one_rank(overrides: list[str], count_syncs: bool) -> Trace:
-    """One rank trained by llm.launch.launcher in this process, as ``python train.py`` runs it."""
+    """One rank trained by llm.launch in this process, as ``python train.py`` runs it."""
     cfg = run_config(overrides, 1)
     with traced(count_syncs) as trace:
         launch(cfg)

@@ -206,7 +206,7 @@ def _scoped_head_loss(head_loss):
 
 
 def run(cfg: Config, windows: Windows, run_dir: Path) -> dict:
-    """Train ``cfg`` in this process (llm.launch.launcher, as train.py does for one process) with
+    """Train ``cfg`` in this process (llm.launch, as train.py does for one process) with
     ``windows`` standing in for the Trainer and the loss in its scope, plain or fused;
     returns the run's summary."""
     shutil.rmtree(run_dir, ignore_errors=True)  # the tool's own run folder, from a rerun
