@@ -1,8 +1,9 @@
 """Train a language model: `python train.py [group=option ...] [key=value ...]`.
 
 Hydra composes conf/config.yaml with the command line; the result is checked against the
-typed schemas in llm/config.py and by llm/validate.py before any rank starts, then
-llm/launch.py runs it (spawning local ranks, or as one rank of torchrun / Slurm / deepspeed).
+typed schemas in llm/config/ and by llm/validate/ before any rank starts, then
+llm/launch/launcher.py runs it (spawning local ranks, or as one rank of torchrun / Slurm /
+deepspeed).
 Before Hydra runs, the signal guard is installed (a signal at any moment stops the run
 with a checkpoint), override keys are checked for typos and the disk for room, so none of
 these ends in a traceback or leaves a folder behind.
@@ -25,7 +26,7 @@ from llm.config import register_configs, to_dataclass
 from llm.errors import Interrupted, LabError
 
 if TYPE_CHECKING:
-    from llm.dist import RankEnv
+    from llm.parallel.dist import RankEnv
 
 register_configs()
 # Absolute: Hydra finds it however this file is loaded (as a script, or by path in tests).
@@ -51,7 +52,7 @@ def _run_record(dict_cfg: DictConfig) -> dict[str, str]:
 def main(dict_cfg: DictConfig) -> float | None:
     """One job: every line it shows, and every record it logs, also lands in its run
     directory's train.log, prefixed with the rank that wrote it (docs/design.md)."""
-    from llm.launch import external_rank_env
+    from llm.launch.launcher import external_rank_env
     from llm.logging import run_log
 
     env = external_rank_env()
@@ -64,9 +65,9 @@ def main(dict_cfg: DictConfig) -> float | None:
 
 
 def _job(dict_cfg: DictConfig, env: RankEnv | None) -> float | None:
-    from llm.cli_report import print_run_end, remove_unused_run_dir
     from llm.estimate.startup import announce_estimate
-    from llm.launch import launch, stopped_message
+    from llm.launch.cli_report import print_run_end, remove_unused_run_dir
+    from llm.launch.launcher import launch, stopped_message
     from llm.logging import say
     from llm.validate import validate
 
@@ -112,10 +113,10 @@ def cli(argv: list[str]) -> int:
     """train.py's command line: the exit status. Signals are recorded from the start (the
     terminal's owner says at once what happens next); typos in override keys and a full
     disk are refused in one line before Hydra writes anything."""
-    from llm.cli_report import print_sweep_table
-    from llm.launch import external_rank_env, strip_launcher_args
+    from llm.launch.cli_report import print_sweep_table
+    from llm.launch.launcher import external_rank_env, strip_launcher_args
     from llm.logging import say
-    from llm.preflight import check_disk, check_override_keys
+    from llm.runfiles.preflight import check_disk, check_override_keys
     from llm.train.stop import exit_code, stop_guard
 
     env = external_rank_env()

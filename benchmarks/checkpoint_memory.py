@@ -24,7 +24,7 @@ with a dagger and the error. The default rows take about 9 minutes on 2 CPU core
 
 Rows: single (1 rank), ddp, zero1-3, fsdp and deepspeed stages 1-3 (2 ranks), tp2 and pp2
 (2 ranks, parallelism=single), and with --rows the 4-rank conf/layout options. Every row runs
-in this process through llm.launch.launch (ranks spawned as train.py spawns them), with
+in this process through llm.launch.launcher.launch (ranks spawned as train.py spawns them), with
 OMP_NUM_THREADS = cores // ranks; a row that fails shows its one-line error and the next
 one runs. The corpus is a folder of standard-library modules made in a temporary folder.
 
@@ -56,10 +56,11 @@ import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from llm.build import model_args_for, tokenizer_vocab_size
 from llm.config import Config, register_configs, to_dataclass
-from llm.launch import launch
+from llm.launch.launcher import launch
 from llm.parallel.tensor_parallel import padded_vocab
-from llm.validate import model_args_for, tokenizer_vocab_size, validate
+from llm.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"

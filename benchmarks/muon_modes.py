@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from llm.config import OptimizerConfig, ParallelismConfig
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.models import build_model, materialize, model_args
 from llm.optim.muon_costs import muon_costs
 from llm.parallel import ParallelDims, build_strategy

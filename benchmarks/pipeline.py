@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llm.config import PP_SINGLE_STAGE, ParallelismConfig, pp_schedule_problem
 from llm.estimate.schedule_steps import bubble_share, peak_state
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.memory import ActivationMemoryCounter, PeakTracker, module_state_tensors
 from llm.models import InitSource, build_model, model_args
 from llm.parallel import ParallelDims, build_strategy

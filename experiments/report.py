@@ -21,7 +21,7 @@ from experiments import parts, records
 from experiments.claims import Table, claims_table
 from experiments.sweep import Job, experiment_of, load_jobs
 from llm.errors import ConfigError
-from llm.launch import resolve_wandb_mode
+from llm.launch.launcher import resolve_wandb_mode
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "experiments"
 EXPERIMENTS = (

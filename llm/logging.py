@@ -24,8 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from llm.config import LoggerConfig
-from llm.disk import no_space_message, says_no_space
 from llm.errors import DiskFullError
+from llm.runfiles.disk import no_space_message, says_no_space
 
 ROLLED_BACK_METRICS = "metrics.rolled_back.jsonl"
 # The logger of the lines a run shows the person at its console.

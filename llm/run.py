@@ -18,10 +18,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from llm.attention import resolve_for
+from llm.build import model_args_for, resolve_device
 from llm.config import Config
 from llm.data import build_train_loader, build_val_loader, prepare_data, save_tokenizer
 from llm.data.prefetch import Prefetcher
-from llm.dist import RankEnv, gather_object, init_distributed
 from llm.errors import ConfigError
 from llm.logging import NullLogger, RunLogger, run_log_moves_to
 from llm.memory import PeakTracker
@@ -39,19 +39,19 @@ from llm.models import (
 )
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.dist import RankEnv, gather_object, init_distributed
 from llm.parallel.expert_parallel import expert_mesh
 from llm.parallel.expert_parallel import install as install_expert_exchanges
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
 from llm.parallel.tensor_parallel import apply_tensor_parallel
-from llm.precision import apply_precision, build_loss_scaler
+from llm.precision import apply_precision, build_loss_scaler, precision_for
 from llm.recompute import apply_recompute, recompute_policy
-from llm.run_dir_lock import RunDirLock
-from llm.run_record import write_run_record
+from llm.runfiles.run_dir_lock import RunDirLock
+from llm.runfiles.run_record import write_run_record
 from llm.train.checkpoint import Checkpointer
 from llm.train.metrics import peak_flops
 from llm.train.stop import StopRequested, stop_guard
 from llm.train.trainer import Trainer
-from llm.validate import model_args_for, precision_for, resolve_device
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parent.parent
@@ -135,7 +135,7 @@ def main(cfg: Config, env: RankEnv, lock_run_dir: bool = False, record: dict | N
     """Run training on this rank; every rank returns the same summary. ``lock_run_dir``:
     rank 0 takes the run-directory lock (under torchrun / Slurm, where no launcher of ours
     holds it), and every rank refuses if it is taken; rank 0 then writes ``record`` (the
-    run's .hydra files, llm.run_record). Signals are recorded from here to the end
+    run's .hydra files, llm.runfiles.run_record). Signals are recorded from here to the end
     (llm.train.stop): a stop at any moment leaves the newest completed step saved."""
     with stop_guard() as stop:
         return _main(cfg, env, lock_run_dir, stop, record)

@@ -12,10 +12,11 @@ import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from llm.build import model_args_for
 from llm.config import Config, register_configs, to_dataclass
 from llm.estimate.estimator import estimate
-from llm.launch import launch
-from llm.validate import model_args_for, validate
+from llm.launch.launcher import launch
+from llm.validate import validate
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from benchmarks.profile_step.host_reads import HostReads
 from llm import run
-from llm.dist import RankEnv
+from llm.parallel.dist import RankEnv
 from llm.train.trainer import Trainer
 
 

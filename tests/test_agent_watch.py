@@ -1,4 +1,4 @@
-"""llm.agent_watch in one process, on a real TCPStore: a lost node is named by its heartbeats
+"""llm.launch.agent_watch in one process, on a real TCPStore: a lost node is named by its heartbeats
 or by its store, and nothing is watched outside torchrun. The torchrun runs themselves (an
 orphaned rank, a lost node, a restart) are in test_torchrun_nodes.py (slow)."""
 
@@ -11,11 +11,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from llm import agent_watch
-from llm.agent_watch import AgentWatch, watch_agent
-from llm.dist import RankEnv
 from llm.errors import ConfigError, TrainingError
-from llm.launch import free_port
+from llm.launch import agent_watch
+from llm.launch.agent_watch import AgentWatch, watch_agent
+from llm.launch.launcher import free_port
+from llm.parallel.dist import RankEnv
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ def test_restarts_warn_about_what_would_keep_them_from_resuming(caplog):
     """Outside train.py the run directory counts as given: only the shared store is named,
     and only across nodes with restarts."""
     environ = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    with caplog.at_level("WARNING", logger="llm.agent_watch"):
+    with caplog.at_level("WARNING", logger="llm.launch.agent_watch"):
         agent_watch._warn_about_restarts({**environ, "GROUP_WORLD_SIZE": "1"})
         agent_watch._warn_about_restarts({**environ, "TORCHELASTIC_MAX_RESTARTS": "0"})
         assert not caplog.records

@@ -13,7 +13,9 @@ import torch
 
 from llm.attention import BACKENDS, choose
 from llm.attention.auto import Device, load_table, resolve, resolve_for
-from llm.validate import model_args_for, precision_for, resolve_device, validate
+from llm.build import model_args_for, resolve_device
+from llm.precision import precision_for
+from llm.validate import validate
 from tests.helpers import compose_config, run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from llm.config import OptimizerConfig, ParallelismConfig
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.memory import PeakTracker
 from llm.models import (
     HFSource,

@@ -14,13 +14,13 @@ from helpers import compose_config
 
 from benchmarks.gpu_pass import calibrate
 from benchmarks.gpu_pass.common import OUT_ENV
+from llm.build import model_args_for
 from llm.errors import ConfigError
 from llm.estimate import device_profile
 from llm.estimate.cluster import Cluster
 from llm.estimate.device_profile import interpolate, load_profile, resolve
 from llm.estimate.layout import Layout
 from llm.estimate.plan import plan
-from llm.validate import model_args_for
 
 ENV = {"device": "NVIDIA H200", "torch": "2.11.0", "cuda": "13.0", "date": "2026-11-28"}
 SPEC = calibrate.GPU

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import compose_config, small_run_overrides, train_losses
 
 from llm.errors import CheckpointError
-from llm.launch import launch
+from llm.launch.launcher import launch
 from llm.train import checkpoint as checkpoint_module
 
 

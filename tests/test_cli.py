@@ -12,7 +12,7 @@ from pathlib import Path
 
 from helpers import read_metrics
 
-from llm.launch import strip_launcher_args
+from llm.launch.launcher import strip_launcher_args
 
 REPO = Path(__file__).resolve().parent.parent
 

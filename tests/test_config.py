@@ -12,7 +12,7 @@ from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
 from llm.errors import ConfigError
-from llm.launch import external_rank_env, resolve_wandb_mode
+from llm.launch.launcher import external_rank_env, resolve_wandb_mode
 from llm.validate import validate
 
 # conf/device/ holds device profiles for estimate.device (llm.estimate.device_profile), no group.

@@ -20,7 +20,7 @@ from helpers import (
     train_losses,
 )
 
-from llm.launch import launch
+from llm.launch.launcher import launch
 
 REPO = Path(__file__).resolve().parent.parent
 # Counting is opt-in: these tests read comm_bytes_per_step.

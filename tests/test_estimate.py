@@ -9,12 +9,12 @@ import json
 import pytest
 from helpers import compose_config, run, small_run_overrides
 
+from llm.build import model_args_for, tokenizer_vocab_size
 from llm.estimate.estimator import estimate
 from llm.estimate.plan import plan
 from llm.estimate.report import human
 from llm.estimate.startup import announce_estimate
 from llm.models import model_args, num_params
-from llm.validate import model_args_for, tokenizer_vocab_size
 
 GB = 1e9
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import compose_config
 
+from llm.build import model_args_for, tokenizer_vocab_size
 from llm.errors import ConfigError
 from llm.estimate.estimator import with_overrides
 from llm.estimate.inference import decode_bytes, estimate_inference, prefill_bytes
@@ -22,7 +23,6 @@ from llm.inference.kv_cache import ContiguousKVCache, PagedKVCache
 from llm.memory import PeakTracker
 from llm.models import build_model, materialize, model_args
 from llm.parallel.tensor_parallel import apply_tensor_parallel, local_tensor, padded_vocab
-from llm.validate import model_args_for, tokenizer_vocab_size
 
 BASE = ["logger=none", "output_dir=unused", "estimate.mode=inference"]
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import compose_config
 
+from llm.build import model_args_for, tokenizer_vocab_size
 from llm.errors import ConfigError
 from llm.estimate.activations import layer_terms, outside_terms
 from llm.estimate.cluster import Cluster
@@ -27,7 +28,6 @@ from llm.memory.storage import local_shard
 from llm.models import build_model, model_args, num_params
 from llm.parallel.tensor_parallel import apply_tensor_parallel
 from llm.precision import resolve_precision
-from llm.validate import model_args_for, tokenizer_vocab_size
 
 GIB = 2**30
 

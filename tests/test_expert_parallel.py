@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.models import model_args
 from llm.models.moe import MoE
 from llm.models.weights import InitSource

@@ -127,8 +127,8 @@ def test_estimate_equals_the_measured_states_on_every_ep_rank(
     this rank's E / ep experts whole."""
     from helpers import compose_config, small_run_overrides
 
+    from llm.build import model_args_for
     from llm.estimate.estimator import estimate
-    from llm.validate import model_args_for
 
     overrides = ("model=moe-tiny", f"parallelism={strategy}", "parallelism.ep_size=2",
                  "launcher.nproc_per_node=2", "train.max_steps=2", "checkpoint.enabled=false")  # fmt: skip
@@ -152,8 +152,8 @@ def test_the_plan_tries_expert_parallel_sizes_for_moe_shapes():
     and fewer bytes per GPU for the expert slices as ep grows; a dense shape gets ep 1."""
     from helpers import compose_config
 
+    from llm.build import model_args_for
     from llm.estimate.plan import plan, plan_row
-    from llm.validate import model_args_for
 
     base = ["logger=none", "output_dir=unused", "estimate.gpus_per_node=4", "data.seq_len=256"]
     cfg = compose_config([*base, "model=moe-tiny"])

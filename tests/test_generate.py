@@ -18,7 +18,7 @@ from helpers import run as train
 from llm.config import GenerateConfig
 from llm.data import TOKENIZER_FILE
 from llm.errors import CheckpointError, ConfigError
-from llm.generate import run
+from llm.inference.cli import run
 from llm.inference.generate import generate
 from llm.inference.load import load_for_inference
 from llm.inference.sampling import SamplingParams

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import compose_config, small_run_overrides
 
-from llm.launch import launch
+from llm.launch.launcher import launch
 from llm.precision import resolve_precision
 
 pytestmark = [

@@ -23,10 +23,10 @@ from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig
 from llm.data import prepare_data
-from llm.dist import RankEnv
 from llm.errors import TrainingError
-from llm.launch import _spawn, free_port, prepare_for_ranks
+from llm.launch.launcher import _spawn, free_port, prepare_for_ranks
 from llm.models.shapes import MODEL_SHAPES
+from llm.parallel.dist import RankEnv
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.single import SingleStrategy
 from llm.parallel.step import settle_skip
@@ -227,7 +227,7 @@ def test_a_run_skips_exactly_the_step_whose_gradients_are_not_finite(
 def test_no_step_synchronises_the_gpu(tmp_path, text_corpus, cache_dir, extra):
     """On the GPU, any synchronising call on a step that is neither logged nor a probe
     raises (torch.cuda.set_sync_debug_mode("error")); the run completes."""
-    from llm.launch import launch
+    from llm.launch.launcher import launch
     from llm.train.trainer import Trainer
 
     train_step = Trainer.train_step

@@ -31,7 +31,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from llm.config import OptimizerConfig, ParallelismConfig
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.memory import CATEGORIES, PeakTracker, storage_bytes
 from llm.memory.live import STATE
 from llm.models import build_model, materialize, model_args

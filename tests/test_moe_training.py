@@ -172,8 +172,8 @@ def test_estimate_counts_the_activated_experts_activations_exactly(
     also holds the loss's temporaries)."""
     from helpers import compose_config, small_run_overrides
 
+    from llm.build import model_args_for
     from llm.estimate.estimator import estimate
-    from llm.validate import model_args_for
 
     overrides = ("model=moe-tiny", "precision=fp32", "train.max_steps=2",
                  "checkpoint.enabled=false", *extra)  # fmt: skip

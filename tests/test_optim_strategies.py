@@ -23,7 +23,7 @@ from helpers import (
 
 from llm.config import OptimizerConfig, ParallelismConfig, RecomputeConfig
 from llm.errors import ConfigError, TrainingError
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.memory import state_bytes
 from llm.models import build_model, materialize, model_args, param_name
 from llm.optim import (

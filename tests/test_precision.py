@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from llm.errors import ConfigError
-from llm.launch import launch
+from llm.launch.launcher import launch
 from llm.memory import model_state_bytes
 from llm.models import build_model, model_args
 from llm.optim import RoundedUpdate

@@ -19,7 +19,7 @@ from llm.data.dataset import TokenDataset
 from llm.data.loader import TrainLoader
 from llm.data.prefetch import Prefetcher
 from llm.errors import ConfigError, DataError
-from llm.launch import launch
+from llm.launch.launcher import launch
 from llm.train.metrics import StepTimer
 from llm.train.trainer import Trainer
 

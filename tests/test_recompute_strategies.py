@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from helpers import run, train_losses
 from test_optim_strategies import FAST_STEPS, WORLD, train
 
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 
 POLICIES = ("full", "selective", "op_sac")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")

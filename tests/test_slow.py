@@ -7,7 +7,7 @@ import math
 import pytest
 from helpers import compose_config, small_run_overrides, train_losses
 
-from llm.launch import launch
+from llm.launch.launcher import launch
 from llm.validate import validate
 
 pytestmark = pytest.mark.slow

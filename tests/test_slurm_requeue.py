@@ -1,4 +1,4 @@
-"""llm.slurm_requeue without Slurm: a stand-in for submitit's signal handler (the real
+"""llm.launch.slurm_requeue without Slurm: a stand-in for submitit's signal handler (the real
 cluster path is tests/slurm/, `make test-slurm`)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from llm import slurm_requeue
 from llm.errors import Interrupted
-from llm.slurm_requeue import ignore_in_rank, requeue_on_preemption
+from llm.launch import slurm_requeue
+from llm.launch.slurm_requeue import ignore_in_rank, requeue_on_preemption
 from llm.train.stop import exit_code
 
 SUBMITIT = {"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_PREEMPT_SIGNAL": "USR1", "SLURM_PROCID": "0"}

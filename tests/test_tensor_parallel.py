@@ -24,11 +24,12 @@ from helpers import (
     train_losses,
 )
 
+from llm.build import model_args_for
 from llm.errors import ConfigError
 from llm.estimate.estimator import estimate
 from llm.models import model_args
 from llm.parallel.step import global_grad_norm
-from llm.validate import model_args_for, validate
+from llm.validate import validate
 
 STEPS = 4
 PADDED_VOCAB = 258  # the byte tokenizer's 257, padded to a multiple of tp=2

@@ -25,7 +25,7 @@ import psutil
 import pytest
 from helpers import assert_run_matches, read_metrics, run, small_run_overrides
 
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -240,7 +240,7 @@ def test_a_killed_rank_is_restarted_and_resumes(
     other node's agent re-joins the rendezvous), the run resumes from its newest checkpoint,
     and ends with an uninterrupted run's losses and weights. The agents do not share their
     store with the ranks (torch 2.13 keeps it across restarts, stale keys and all: see
-    llm.agent_watch._warn_about_restarts); rank 0 then hosts a fresh one per round."""
+    llm.launch.agent_watch._warn_about_restarts); rank 0 then hosts a fresh one per round."""
     out, steps = tmp_path / "run", 16
     extra = (f"train.max_steps={steps}", "checkpoint.every=4", "checkpoint.keep_last=10")
     fresh_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

@@ -27,9 +27,10 @@ from helpers import (
 )
 from torch.distributed.tensor import DTensor
 
+from llm.build import model_args_for
 from llm.config import ParallelismConfig
 from llm.estimate.estimator import estimate
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.models import InitSource, build_model, materialize_from, model_args
 from llm.parallel import ParallelDims, build_strategy
 from llm.parallel.tensor_parallel import (
@@ -38,7 +39,6 @@ from llm.parallel.tensor_parallel import (
     tp_local_shapes,
 )
 from llm.precision import resolve_precision
-from llm.validate import model_args_for
 
 CPU = torch.device("cpu")
 

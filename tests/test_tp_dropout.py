@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from llm.config import RecomputeConfig
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.models import InitSource, build_model, materialize_from, model_args
 from llm.parallel.tensor_parallel import (
     align_grads,

@@ -1,5 +1,5 @@
 """The run directory's train.log holds what the run showed at the console, each line
-prefixed with the rank that wrote it (docs/design.md, note 45): a short run, its resume, a
+prefixed with the rank that wrote it (docs/design.md, note 47): a short run, its resume, a
 config refused there, and spawned ranks' lines. The console itself keeps its plain lines."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_a_run_its_resume_and_a_refusal_land_in_train_log(
 def test_spawned_ranks_append_their_lines_under_their_rank(tmp_path, capfd):
     import log_ranks
 
-    from llm.launch import _spawn
+    from llm.launch.launcher import _spawn
 
     cfg = compose_config([f"output_dir={tmp_path}", "parallelism=ddp", "launcher.nproc_per_node=2"])
     _spawn(cfg, 2, log_ranks.logs_a_line_per_rank)

@@ -17,7 +17,7 @@ from helpers import (
 )
 
 from llm.data import IGNORE, build_train_loader, prepare_data
-from llm.launch import launch
+from llm.launch.launcher import launch
 
 
 def test_accumulation_equals_large_batch_with_unequal_documents(tmp_path, line_docs, cache_dir):

@@ -12,7 +12,7 @@ from helpers import assert_close_weights, final_weights, run, train_losses
 
 from llm.config import OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.models import build_model, materialize, model_args
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import resolve_precision

@@ -12,7 +12,7 @@ from helpers import zero_whole_weights
 from torch import nn
 
 from llm.config import OptimizerConfig, ParallelismConfig
-from llm.launch import free_port
+from llm.launch.launcher import free_port
 from llm.models import build_model, materialize, model_args
 from llm.optim import build_optimizer
 from llm.parallel import ParallelDims, build_strategy

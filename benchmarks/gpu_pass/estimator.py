@@ -1,6 +1,6 @@
 """The memory estimator against the allocator: ``llm.estimate``'s total (model states +
 activations) for a configuration, beside ``torch.cuda.max_memory_allocated`` over the
-training steps of the same configuration run by train.py's code (llm.launch), for
+training steps of the same configuration run by train.py's code (llm.launch.launcher), for
 gpt2-small, gpt2-medium and llama-1b under recompute none, selective, full and op_sac.
 
 Each run trains 3 steps, bf16, at T=1024 on a small corpus of standard-library files with a
@@ -22,10 +22,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from benchmarks.gpu_pass.common import Goal, Result, checkpoint, device
+from llm.build import model_args_for, tokenizer_vocab_size
 from llm.config import register_configs, to_dataclass
 from llm.estimate.estimator import estimate
-from llm.launch import launch
-from llm.validate import model_args_for, tokenizer_vocab_size, validate
+from llm.launch.launcher import launch
+from llm.validate import validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 POLICIES = ["none", "selective", "full", "op_sac"]

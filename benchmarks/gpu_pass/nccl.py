@@ -96,7 +96,7 @@ NOTES = [
     "ep 1 at world size 1 is ddp on moe-tiny: llm/run.py installs the expert exchanges only when "
     "dp_size > 1; they run in the two-rank rows (ep 1: counts all-gathered, ep 2: all-to-all)",
     "two ranks on one GPU: launcher.nproc_per_node=2 is refused with one GPU visible "
-    "(llm/validate.py), and the local launcher puts rank 1 on cuda:1; no config override "
+    "(llm/validate/), and the local launcher puts rank 1 on cuda:1; no config override "
     "changes either, so this section starts both ranks as torchrun or Slurm's one-GPU-per-task "
     "binding would (local_rank 0 each, validate given world_size=2) and runs llm.run.main",
     "syncs are counted per step from the start of one step to the start of the next; the last "
@@ -203,7 +203,8 @@ def deepspeed_missing() -> str | None:
 
 def free_ports(n: int, start: int = 20000, stop: int = 32000) -> list[int]:
     """``n`` ports free now below Linux's ephemeral range (32768 up), so none of them is one
-    the runs of this process are handed meanwhile (llm.launch.free_port binds port 0)."""
+    the runs of this process are handed meanwhile (llm.launch.launcher.free_port binds port
+    0)."""
     ports = []
     for port in range(start, stop):
         with socket.socket() as s:

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.gpu_pass.estimator import compose_config
-from llm.dist import RankEnv
 from llm.errors import LabError
-from llm.launch import launch
+from llm.launch.launcher import launch
+from llm.parallel.dist import RankEnv
 from llm.train.monitor import Monitor
 from llm.train.trainer import Trainer
 from llm.validate import validate

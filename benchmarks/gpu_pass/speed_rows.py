@@ -40,7 +40,7 @@ from llm.train.loss import head_loss, unavailable
 
 FUSED_LOSSES = ("liger", "cce")  # in order of preference; chunked where neither runs
 VOCAB_MULTIPLE = 128  # model.vocab_multiple for ours
-LOSS_CHUNK = 1024  # train.fused_loss_chunk's default (llm/config.py)
+LOSS_CHUNK = 1024  # train.fused_loss_chunk's default (llm/config/train.py)
 ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
 TOP_KERNELS = 3
 NAME_CHARS = 72

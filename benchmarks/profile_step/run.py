@@ -30,7 +30,7 @@ import llm.run
 import llm.train.trainer
 from llm.config import Config, register_configs, to_dataclass
 from llm.errors import ConfigError
-from llm.launch import external_rank_env, launch
+from llm.launch.launcher import external_rank_env, launch
 from llm.train.trainer import Trainer
 from llm.validate import validate
 

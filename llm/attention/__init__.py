@@ -9,6 +9,8 @@ memory_efficient_attention, the package). Each declares what it supports
 (:mod:`llm.attention.support`); :func:`check_kernel` refuses the rest in one line.
 ``attention=auto`` (:func:`resolve`) picks the fastest that the committed GPU records show
 and that can run here (:mod:`llm.attention.auto`).
+
+May import llm.memory and llm.errors only.
 """
 
 from llm.attention.auto import Choice, resolve, resolve_for

@@ -1,7 +1,7 @@
 """What an attention kernel supports on one device type, and the one-line refusal of the rest.
 
 Every kernel declares a :class:`Support` per device type it runs on ("cpu", "cuda"); the
-config is checked against it before any rank starts (llm/validate.py), and ``attention()``
+config is checked against it before any rank starts (llm/validate/), and ``attention()``
 checks each call the same way, so an unsupported combination is one ConfigError naming the
 problem and the fix, never a fallback to another kernel or a traceback from inside one.
 """

@@ -2,6 +2,8 @@
 
 prepare_data(cfg) -> PreparedData(tokenizer, train, val); then per rank
 build_train_loader(...) (endless, resumable) and build_val_loader(...) (re-iterable).
+
+May import llm.config, llm.runfiles (checksums, disk space) and llm.errors.
 """
 
 from llm.data.dataset import IGNORE, Batch, TokenDataset

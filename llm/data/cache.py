@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from llm.checksum import file_record, mismatch
 from llm.data.corpora import Corpus
 from llm.data.dataset import TokenDataset
 from llm.data.tokenizer import Tokenizer
 from llm.errors import DataError
+from llm.runfiles.checksum import file_record, mismatch
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm.config import DataConfig
 from llm.data.corpora import Corpus, cache_root
-from llm.disk import no_space_message, says_no_space
 from llm.errors import ConfigError, DataError, DiskFullError
+from llm.runfiles.disk import no_space_message, says_no_space
 
 log = logging.getLogger(__name__)
 

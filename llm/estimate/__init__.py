@@ -19,6 +19,8 @@ Which file answers what:
   startup.py         the estimate train.py prints before a run
   inference.py       estimate.mode=inference: a tp rank's weights, KV cache and working
                      memory for a batch and a context, and the batch / context that fit
+
+The estimator CLI's room: may import every room but llm.run, llm.launch and llm.train.
 """
 
 from llm.estimate.activations import (

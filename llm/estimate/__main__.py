@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from llm.build import model_args_for, tokenizer_vocab_size
 from llm.config import register_configs, to_dataclass
 from llm.errors import LabError
 from llm.estimate.deepspeed_own import deepspeed_own, largest_layer
@@ -27,7 +28,7 @@ from llm.estimate.plan import global_batch, plan, plan_row
 from llm.estimate.report import count, human, inference_table, print_estimate
 from llm.models import MODEL_SHAPES, num_params
 from llm.parallel.tensor_parallel import padded_vocab
-from llm.validate import check_vocab, model_args_for, tokenizer_vocab_size
+from llm.validate import check_vocab
 
 register_configs()
 CONF = str(Path(__file__).resolve().parents[2] / "conf")

@@ -129,7 +129,7 @@ def world_size(cfg: Config) -> int:
 
 
 def estimate(cfg: Config, args) -> Estimate:
-    """The estimate of ``cfg`` for the model shape ``args`` (llm.validate.model_args_for)."""
+    """The estimate of ``cfg`` for the model shape ``args`` (llm.build.model_args_for)."""
     e, par = cfg.estimate, cfg.parallelism
     world = world_size(cfg)
     try:  # the layout the run would refuse, refused the same way

@@ -104,7 +104,7 @@ def rank_params(args: ModelArgs, layout: Layout, pp_rank: int) -> int:
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     if args.moe is None:
         n = rank_blocks(args.n_layers, layout, pp_rank) * block_params(args, layout.tp)
-    else:  # MoE shapes run with tp = pp = 1 (llm/validate.py): every block, as it is
+    else:  # MoE shapes run with tp = pp = 1 (llm/validate/): every block, as it is
         n = blocks_params(args) - expert_params(args) * (layout.ep - 1) // layout.ep
     if first:
         n += table + (args.max_seq_len * h if args.family == "gpt2" else 0)

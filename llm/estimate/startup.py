@@ -8,11 +8,11 @@ import logging
 
 import torch
 
+from llm.build import model_args_for, resolve_device, tokenizer_vocab_size
 from llm.config import Config
 from llm.estimate.estimator import GIB, estimate
 from llm.estimate.report import human, largest_stage
 from llm.logging import say
-from llm.validate import model_args_for, resolve_device, tokenizer_vocab_size
 
 
 def _rows(device: dict[str, int]) -> str:

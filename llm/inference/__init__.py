@@ -10,6 +10,10 @@ Which file answers what:
   sampling.py         greedy, temperature, top-k, top-p, a generator per sequence
   engine.py           continuous batching: requests join and leave while others decode
   generate.py         prompts in, tokens and tokens/s and cache bytes out
+  cli.py              python -m llm.generate's work: prompts, load, sample, generate.json
 
 Reads checkpoints (llm.train.checkpoint_files), never the Trainer.
+
+May import the rooms below llm.run (models, attention, data, parallel, precision, train's
+checkpoint files, build, config); llm.generate and llm.estimate import it.
 """

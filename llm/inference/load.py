@@ -71,8 +71,8 @@ def _args_from_meta(meta: dict) -> ModelArgs:
 
 def _args_from_run_config(path: Path, tokenizer: Tokenizer) -> ModelArgs:
     """The shape of a checkpoint whose meta.json predates ``model_args``: the run's config."""
+    from llm.build import model_args_for
     from llm.config import to_dataclass
-    from llm.validate import model_args_for
 
     config = path.parent.parent / ".hydra" / "config.yaml"
     if not config.is_file():

@@ -1,5 +1,7 @@
 """Measuring memory: bytes of tensor storages by kind, activations autograd saves, the peak
-of live tensor bytes by category and phase, and the process's or allocator's peaks."""
+of live tensor bytes by category and phase, and the process's or allocator's peaks.
+
+Imports no other room of llm/."""
 
 from llm.memory.activations import (
     OUTSIDE,

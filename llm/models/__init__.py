@@ -3,6 +3,9 @@ construction, initial-weight sources (seeded init, HF safetensors) read per para
 per row, parameter/FLOP counts, and HF import/export.
 
 Parallelism is applied from outside (llm.parallel); nothing here knows about ranks.
+
+May import llm.attention and llm.errors only (never llm.config: llm.build maps the config
+to ModelArgs).
 """
 
 from llm.models.args import ModelArgs, RopeScaling

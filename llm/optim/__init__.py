@@ -1,5 +1,7 @@
 """Optimizers by name (a registry with each one's state declaration and the layout it needs
-of sharded parameters), our LAMB / Lion / Sophia, wrappers, and learning-rate schedules."""
+of sharded parameters), our LAMB / Lion / Sophia, wrappers, and learning-rate schedules.
+
+May import llm.config, llm.data and llm.errors."""
 
 from llm.optim import builders as _builders  # noqa: F401  (registers every optimizer)
 from llm.optim.factory import (

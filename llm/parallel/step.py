@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
-from llm.dist import gather_object
 from llm.errors import TrainingError
 from llm.optim import RoundedUpdate
+from llm.parallel.dist import gather_object
 from llm.precision import LossScaler
 
 

@@ -1,5 +1,7 @@
 """Precision: policies (which dtype holds, computes and reduces what) and our dynamic loss
-scaler."""
+scaler.
+
+May import llm.config and llm.errors only."""
 
 from llm.precision.loss_scale import (
     LossScaler,
@@ -14,6 +16,7 @@ from llm.precision.policy import (
     apply_precision,
     bf16_supported,
     fp8_kernels_problem,
+    precision_for,
     resolve_precision,
 )
 
@@ -28,5 +31,6 @@ __all__ = [
     "build_loss_scaler",
     "disabled_loss_scaler",
     "fp8_kernels_problem",
+    "precision_for",
     "resolve_precision",
 ]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llm.config import Config
 from llm.errors import ConfigError
 
 
@@ -93,6 +94,14 @@ def resolve_precision(
             f"{', '.join(REDUCE_DTYPES)} (or leave it unset for the policy's own)"
         )
     return dataclasses.replace(policy, reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+
+
+def precision_for(cfg: Config, device: torch.device) -> PrecisionPolicy:
+    """The run's precision policy on ``device``, from every precision.* key."""
+    p = cfg.precision
+    return resolve_precision(
+        p.name, device, p.update_rounding, p.reduce_dtype, p.fp8_recipe, p.fp8_emulate
+    )
 
 
 def _named_policy(

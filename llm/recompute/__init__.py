@@ -15,6 +15,8 @@ forward runs, not on the model, uses it; the Trainer never branches on the polic
 - ``offload``: keep every activation, in pinned host memory.
 
 docs/recompute.md says what each keeps and how to pick one.
+
+May import llm.config, llm.memory and llm.errors.
 """
 
 from __future__ import annotations

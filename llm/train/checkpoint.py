@@ -12,7 +12,7 @@ Layout of ``<run>/checkpoints/step_000100/``:
 A checkpoint is written into ``.step_000100.tmp`` and renamed into place only when complete,
 so a failed write never touches the previous checkpoint; old ones are pruned only after the
 rename. Before writing, the free space is compared with the checkpoint's size; a write that
-fails removes its temporary folder, and a full disk is reported as one (llm.disk).
+fails removes its temporary folder, and a full disk is reported as one (llm.runfiles.disk).
 
 Loading verifies meta.json and every file's size and checksum (the files shared out over
 the ranks), then the model digest. ``checkpoint.resume=auto`` takes the newest checkpoint
@@ -32,10 +32,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from llm.disk import free_bytes, no_space_message, says_no_space
-from llm.dist import barrier, gather_object, global_rank, global_world_size
 from llm.errors import CheckpointError, DiskFullError
+from llm.parallel.dist import barrier, gather_object, global_rank, global_world_size
 from llm.parallel.flat_shards import FlatShardLoadPlanner, FlatShardSavePlanner
+from llm.runfiles.disk import free_bytes, no_space_message, says_no_space
 from llm.train.bounded_writer import BoundedFileWriter
 from llm.train.checkpoint_files import (
     META,

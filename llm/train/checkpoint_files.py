@@ -15,8 +15,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from llm.checksum import file_record, mismatch
 from llm.parallel.flat_shards import FlatShard
+from llm.runfiles.checksum import file_record, mismatch
 
 META = "meta.json"
 TRAINER = "trainer.pt"

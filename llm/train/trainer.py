@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 from llm.config import Config
 from llm.data import IGNORE, Batch
-from llm.dist import gather_object
 from llm.errors import TrainingError
 from llm.memory import OUTSIDE, ActivationMemoryCounter, PeakTracker, find_layers, peak_rss_bytes
 from llm.optim import warmup_note
+from llm.parallel.dist import gather_object
 from llm.parallel.step import StepResult, settle_skip
 from llm.parallel.tensor_parallel import local_loss
 from llm.recompute import RecomputePolicy

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import compose_config, one_line, read_metrics, small_run_overrides
 
 from llm.errors import CheckpointError, ConfigError, LabError, TrainingError
-from llm.launch import launch
+from llm.launch.launcher import launch
 from llm.validate import validate
 
 # --- checkpoints -------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def largest_data_file(checkpoint):
 def rewrite_checksum(checkpoint, name):
     """meta.json made to agree with a corrupted file (as if it were corrupted before being
     hashed), so that the load itself meets the corruption."""
-    from llm.checksum import file_record
+    from llm.runfiles.checksum import file_record
 
     meta = json.loads((checkpoint / "meta.json").read_text())
     meta["files"][name] = file_record(checkpoint / name)
@@ -182,7 +182,7 @@ def test_disk_full_mid_write(run_copy, text_corpus, cache_dir, monkeypatch):
 def test_disk_full_is_found_before_writing(run_copy, text_corpus, cache_dir, monkeypatch):
     """error: no space left on DIR/checkpoints (1 MB free, a checkpoint needs about M MB);
     ... (the newest checkpoint, step_000004, is kept)"""
-    from llm import disk
+    from llm.runfiles import disk
     from llm.train import checkpoint as checkpoint_module
 
     monkeypatch.setattr(disk, "free_bytes", lambda directory: 1 << 20)

@@ -14,7 +14,7 @@ import pytest
 from helpers import small_run_overrides
 from rich.console import Console
 
-from llm.run_dir_lock import RunDirLock
+from llm.runfiles.run_dir_lock import RunDirLock
 from llm.train.checkpoint import Checkpointer
 from llm.train.checkpoint_files import list_checkpoints
 
@@ -55,7 +55,7 @@ def test_a_plain_key_typo_gets_did_you_mean(train, capsys, tmp_path):
 def test_a_disk_full_at_start_is_one_line(train, capsys, tmp_path, monkeypatch):
     """error: no space left on the disk of outputs (0.0 MB free) to start a run; free space
     there or point hydra.run.dir at a disk with room"""
-    from llm import preflight
+    from llm.runfiles import preflight
 
     monkeypatch.setattr(preflight, "free_bytes", lambda directory: 0)
     assert train.cli(["train.max_steps=1"]) == 1

@@ -18,7 +18,7 @@ from helpers import compose_config, one_line, small_run_overrides
 from test_cli import train_cli
 
 from llm.errors import ConfigError, Interrupted, LabError, TrainingError
-from llm.launch import launch
+from llm.launch.launcher import launch
 
 
 def test_disk_full_in_the_metrics_writer(tmp_path):
@@ -60,7 +60,7 @@ def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path, text_corpus, 
         [
             sys.executable,
             "-c",
-            "import sys; from llm.run_dir_lock import RunDirLock; RunDirLock(sys.argv[1]).acquire();"
+            "import sys; from llm.runfiles.run_dir_lock import RunDirLock; RunDirLock(sys.argv[1]).acquire();"
             " print('locked', flush=True); sys.stdin.read()",
             str(out),
         ],
@@ -81,7 +81,7 @@ def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path, text_corpus, 
     finally:
         holder.kill()  # the kernel frees the lock of a killed holder
         holder.wait()
-    from llm.run_dir_lock import RunDirLock
+    from llm.runfiles.run_dir_lock import RunDirLock
 
     with RunDirLock(out):
         pass
@@ -105,7 +105,7 @@ def test_ctrl_c_waits_for_the_ranks_checkpoint(tmp_path):
 
     import rank_stubs
 
-    from llm.launch import _spawn
+    from llm.launch.launcher import _spawn
 
     done = threading.Event()
 
@@ -137,7 +137,7 @@ def test_a_second_ctrl_c_stops_the_ranks_at_once(tmp_path):
 
     import rank_stubs
 
-    from llm.launch import _spawn
+    from llm.launch.launcher import _spawn
 
     done = threading.Event()
 
@@ -171,7 +171,7 @@ def test_sigterm_while_ranks_start_reaches_them(tmp_path, monkeypatch):
     import rank_stubs
     import torch.multiprocessing as mp
 
-    from llm.launch import _spawn
+    from llm.launch.launcher import _spawn
 
     start = mp.start_processes
 
@@ -208,7 +208,7 @@ def test_a_failing_rank_shows_its_own_error(tmp_path):
     DIR/.rank_errors/rank1.txt)"""
     import rank_stubs
 
-    from llm.launch import _spawn
+    from llm.launch.launcher import _spawn
 
     with pytest.raises(TrainingError, match="rank 1 failed: RuntimeError: injected fault") as err:
         _spawn(stub_config(tmp_path), 2, rank_stubs.fails_on_rank1)
@@ -278,7 +278,7 @@ def test_a_rank_killed_by_a_signal_is_named(tmp_path):
     """error: rank 1 was killed by SIGKILL before it could report an error (SIGKILL is often
     the out-of-memory killer: check dmesg, and lower train.micro_batch_size or
     launcher.nproc_per_node)"""
-    from llm.rank_failures import rank_failure, record_rank_failure
+    from llm.launch.rank_failures import rank_failure, record_rank_failure
 
     # Rank 0 then failed on losing its peer; the kill is the cause the user must see.
     record_rank_failure(tmp_path, 0, "rank 0 failed: DistBackendError: connection closed", "tb")

@@ -18,7 +18,7 @@ import pytest
 from helpers import compose_config, one_line, small_run_overrides
 
 from llm.errors import Interrupted
-from llm.launch import launch
+from llm.launch.launcher import launch
 from llm.train.checkpoint import Checkpointer
 from llm.train.checkpoint_files import list_checkpoints
 from llm.train.trainer import Trainer

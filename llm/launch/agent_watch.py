@@ -35,14 +35,14 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 
-from llm.dist import RankEnv
 from llm.errors import LabError, TrainingError
+from llm.parallel.dist import RankEnv
 
 BEAT_S = 1.0
 VERDICT_BEATS = 3
 _KEY = "llm/beat/{}"
-# The agent that started this process: taken as early as train.py imports us (llm.launch),
-# so an agent lost during start-up is noticed too.
+# The agent that started this process: taken as early as train.py imports us (through
+# llm.launch.launcher), so an agent lost during start-up is noticed too.
 _PARENT_AT_START = os.getppid()
 log = logging.getLogger(__name__)
 

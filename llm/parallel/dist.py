@@ -1,6 +1,6 @@
 """One rank's view of the world: who it is (RankEnv), joining the process group, and the
 small object collectives the run and the strategies share. The environment is read by
-llm.launch, which hands a RankEnv here."""
+llm.launch.launcher, which hands a RankEnv here."""
 
 from __future__ import annotations
 

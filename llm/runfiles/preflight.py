@@ -18,8 +18,8 @@ from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
 
 from llm.config import Config, first_unknown_part, unknown_key_message
-from llm.disk import MB, free_bytes
 from llm.errors import ConfigError, DiskFullError
+from llm.runfiles.disk import MB, free_bytes
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 MIN_FREE_BYTES = 1 * MB  # the run's record and logs; checkpoints are checked when written

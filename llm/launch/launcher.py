@@ -19,15 +19,15 @@ from traceback import format_exc
 
 import torch.multiprocessing as mp
 
-from llm.agent_watch import watch_agent
 from llm.config import Config
-from llm.dist import RankEnv
 from llm.errors import Interrupted, LabError, TrainingError
+from llm.launch.agent_watch import watch_agent
+from llm.launch.rank_failures import rank_failure, record_rank_failure
+from llm.launch.slurm_requeue import ignore_in_rank, requeue_on_preemption
 from llm.logging import run_log
-from llm.rank_failures import rank_failure, record_rank_failure
-from llm.run_dir_lock import RunDirLock
-from llm.run_record import write_run_record
-from llm.slurm_requeue import ignore_in_rank, requeue_on_preemption
+from llm.parallel.dist import RankEnv
+from llm.runfiles.run_dir_lock import RunDirLock
+from llm.runfiles.run_record import write_run_record
 from llm.train.checkpoint import describe
 from llm.train.checkpoint_files import list_checkpoints
 from llm.train.stop import announce_stop, exit_code, stop_guard

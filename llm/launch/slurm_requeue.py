@@ -7,8 +7,8 @@ its own handlers before our code runs: SIGTERM is only logged, and its preemptio
 before the time limit and by ``scancel --signal``) makes rank 0 resubmit the job and
 ``sys.exit`` at once: mid-step, without a checkpoint, while the other ranks wait for it.
 
-Here, while ``llm.launch.launch`` runs, that signal stops the run as SIGTERM does (every
-rank checkpoints at the same step; the process's SIGTERM handler is called with it), and a
+Here, while ``llm.launch.launcher.launch`` runs, that signal stops the run as SIGTERM does
+(every rank checkpoints at the same step; the process's SIGTERM handler is called with it), and a
 run a signal stopped (``Interrupted``, Ctrl-C aside) is then, if the job is still RUNNING
 (a plain ``scancel`` leaves it COMPLETING and is not undone), handed to submitit's own
 handler on rank 0: it calls the launcher's ``checkpoint()`` (the same Hydra job again),
@@ -59,7 +59,7 @@ def _as_sigterm(signum, frame) -> None:
 
 def requeue_on_preemption(env: Mapping[str, str]) -> Callable:
     """Decorates ``launch``: under submitit on Slurm, a run a signal stopped is requeued
-    (above). ``env`` is read at each call (``os.environ``, passed by llm.launch)."""
+    (above). ``env`` is read at each call (``os.environ``, passed by llm.launch.launcher)."""
 
     def decorate(launch: Callable) -> Callable:
         @functools.wraps(launch)

@@ -1,0 +1,24 @@
+"""``launcher.*``: local ranks, their backend and rendezvous (conf/launcher/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm.config.require import require_choice, require_positive
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    nproc_per_node: int = 1
+    backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port is picked per job (safe for -m sweeps)
+    # CPU ranks beyond the cores this process may use are warned about, and beyond 4 per
+    # core refused (each rank holds a whole model and they fight for the cores), unless
+    # this says it is meant (llm/validate/checks.py).
+    allow_oversubscribe: bool = False
+
+    def __post_init__(self) -> None:
+        require_positive("launcher", nproc_per_node=self.nproc_per_node)
+        require_choice("launcher", "backend", self.backend, ("auto", "gloo", "nccl"))
