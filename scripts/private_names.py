@@ -45,6 +45,7 @@ DOCUMENTED = {
     "sys.argv =",
     "torch.backends.cuda.matmul.allow_tf32 =",
     "torch.backends.cudnn.allow_tf32 =",
+    "warnings.showwarning =",  # the warnings module documents replacing it
 }
 # Suffixes of our own config and metric names, matched as strings (``.removesuffix("_gpu")``).
 OWN_STRINGS = {"_gpu", "_medium", "_sharded", "_tflops", "_per_layer"}

@@ -70,6 +70,7 @@ def _assert_no_gather(saved, resumed, ckpt, bucket_mb: float, working_bytes: int
 
 # Stage 2 in make test-slow: stage 3 covers the same save/load path with sharded params.
 @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.slow
 def test_zero_saves_and_loads_within_one_bucket(tmp_path, text_corpus, cache_dir, stage):
     bucket_mb = file_mb = 0.05  # this tiny model's 12Φ/N is ~1.2 MB: several files per rank
     saved, resumed, ckpt = _save_then_resume(

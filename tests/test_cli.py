@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import read_metrics
 
 from llm.launch.launcher import strip_launcher_args
@@ -172,6 +173,7 @@ def test_sigterm_checkpoints_and_says_stopped(tmp_path, text_corpus, cache_dir):
     )
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_share_one_run_directory(tmp_path, text_corpus, cache_dir):
     """Under torchrun each rank runs Hydra itself; rank 0's run directory is the run's."""
     cmd = [

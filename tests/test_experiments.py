@@ -93,6 +93,7 @@ MEASURING_REPORTS = ("quantization", "kv_cache")
     "name",
     [pytest.param(n, marks=pytest.mark.slow) if n in MEASURING_REPORTS else n for n in EXPERIMENTS],
 )
+@pytest.mark.slow
 def test_one_step_of_each_small_sweep_runs_and_reports(tmp_path, name):
     """The real thing, shrunk: each experiment's small sweep reduced to its first job (its
     first value of every axis) and one step, through the runner and train.py, then its

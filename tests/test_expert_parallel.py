@@ -141,6 +141,7 @@ def _check_against_reference(world, ep, capacity, router):
         (4, 4),
     ],
 )
+@pytest.mark.slow
 def test_expert_parallel_layer_equals_one_process(world, ep):
     """Dropless routing: every layout's outputs and gradients are one process's, and the
     all-to-all bytes are 4 x (assignments that leave their rank) x d_model x 4 bytes, summed
@@ -155,6 +156,7 @@ def test_expert_parallel_layer_equals_one_process(world, ep):
     assert (leaving > 0) == (ep > 1)
 
 
+@pytest.mark.slow
 def test_capacity_drops_the_same_tokens_as_one_process():
     """A capacity below the load: the global queue's first come are kept on every layout,
     so outputs (dropped assignments contribute nothing) and gradients are one process's."""

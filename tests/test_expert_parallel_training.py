@@ -62,6 +62,7 @@ def test_four_ranks_equal_one_process(tmp_path, text_corpus, cache_dir, referenc
     assert_run_matches(reference("moe-tiny"), out, STEPS)
 
 
+@pytest.mark.slow
 def test_checkpoints_move_from_ep2_to_one_process_and_back(
     tmp_path, text_corpus, cache_dir, reference
 ):

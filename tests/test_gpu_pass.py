@@ -145,6 +145,7 @@ def _key(row: dict) -> tuple:
     return row["backend"], row["head_dim"], row["seq_len"], row["docs"]
 
 
+@pytest.mark.slow
 def test_resume_keeps_an_earlier_calls_attention_rows_and_measures_only_the_rest(tmp_path):
     first = _dry_attention(tmp_path / "first")["result"]["rows"]
     # The earlier call ran out of time after all but its last row.

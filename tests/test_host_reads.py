@@ -84,6 +84,7 @@ ADAMW_CASES = [
 
 
 @pytest.mark.parametrize("extra", ADAMW_CASES)
+@pytest.mark.slow
 def test_adamw_steps_read_nothing_on_the_host(tmp_path, text_corpus, cache_dir, monkeypatch, extra):
     """Also: every strategy builds torch's fused AdamW, ZeRO's flat pieces and FSDP's and
     tensor parallel's DTensors included."""

@@ -245,6 +245,7 @@ def test_tracking_off_run_reports_no_peak(tmp_path, text_corpus, cache_dir):
     assert all("memory_peak" not in m for m in read_metrics(out))
 
 
+@pytest.mark.slow
 def test_two_rank_ddp_rows_have_one_peak_per_rank(tmp_path, text_corpus, cache_dir):
     summary, out = run(
         tmp_path,

@@ -245,6 +245,7 @@ def test_one_process_matches_memtracker(precision):
 
 
 @pytest.mark.parametrize(("strategy", "precision"), DISTRIBUTED)
+@pytest.mark.slow
 def test_two_ranks_match_memtracker(distributed, strategy, precision):
     for rank in range(WORLD):
         check(strategy, distributed[(strategy, precision, rank)])

@@ -40,6 +40,7 @@ def _ranks(tmp_path, text_corpus, cache_dir, strategy, *extra):
         for s in ("ddp", "zero2", "fsdp")
     ],
 )
+@pytest.mark.slow
 def test_two_data_parallel_ranks_equal_one_process(
     tmp_path, text_corpus, cache_dir, reference, strategy
 ):

@@ -84,6 +84,7 @@ def test_one_rank_exchanges_return_whole_matrices_and_pieces():
     assert counted == [("optim.all_gather", 48), ("optim.all_to_all", 48), ("optim.all_to_all", 48)]
 
 
+@pytest.mark.slow
 def test_counted_comm_and_flops_equal_the_layouts_formula(tmp_path):
     """benchmarks/muon_modes.py on 2 gloo ranks: on every rank, the bytes the strategy's
     counter measured equal muon_costs' formula, and the FLOPs torch's counter measured in the

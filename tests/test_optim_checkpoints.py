@@ -86,6 +86,7 @@ RESHARD = [
 
 
 @pytest.mark.parametrize(("name", "saved_by", "ranks", "resumed_by"), RESHARD)
+@pytest.mark.slow
 def test_checkpoint_reshards_between_world_sizes(
     tmp_path, text_corpus, cache_dir, name, saved_by, ranks, resumed_by
 ):

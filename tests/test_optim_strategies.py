@@ -206,6 +206,7 @@ FAST = [
 ]
 
 
+@pytest.mark.slow
 def test_representative_optimizers_match_single_under_sharding():
     check_cases(FAST, FAST_STEPS)
 
@@ -349,6 +350,7 @@ def test_deepspeed_muon_needs_the_original_lr_adjustment():
         validate(cfg)
 
 
+@pytest.mark.slow
 def test_fsdp_refuses_8bit_blocks_its_cut_would_straddle(tmp_path, text_corpus, cache_dir):
     """The byte tokenizer's 257-row embedding of 64 columns, cut after row 129 on 2 ranks:
     inside a 256-element block. Refused in one line, naming the tensor and the fix."""

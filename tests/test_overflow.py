@@ -116,6 +116,7 @@ def _rank(rank: int, world: int, port: int, name: str, results) -> None:
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.slow
 def test_overflow_on_one_rank_skips_everywhere(name):
     world = 2
     results = mp.Manager().dict()

@@ -104,6 +104,7 @@ def test_stage_boundary_carries_bsh_per_microbatch(gpt2_1f1b):
         pytest.param("llama-tiny", "1f1b", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_pipeline_matches_single_process(
     tmp_path, reference, text_corpus, cache_dir, model, schedule
 ):

@@ -58,6 +58,7 @@ def stage_params(out) -> list[int]:
     return [n0, sum(w.numel() for w in weights.values()) - n0]
 
 
+@pytest.mark.slow
 def test_zero2_data_parallel_pipeline_matches_single_process(
     tmp_path, reference, text_corpus, cache_dir
 ):

@@ -105,6 +105,7 @@ def test_fp8_without_torchao_names_the_install(monkeypatch):
     assert "pip install torchao" in fp8_kernels_problem(torch.device("cuda"))
 
 
+@pytest.mark.slow
 def test_fp8_unemulated_on_cpu_is_one_line_from_the_cli(tmp_path):
     train = Path(__file__).resolve().parent.parent / "train.py"
     args = [

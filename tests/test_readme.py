@@ -48,6 +48,10 @@ def _cases():
             marks.append(pytest.mark.skip(reason=reason))
         if "-m" in args or _ranks(args) > 1 or any(a.startswith("layout=") for a in args):
             marks.append(pytest.mark.slow)  # several processes: keeps the file near 3 minutes
+        elif args and not any(a.startswith("parallelism=zero2") for a in args):
+            # The default suite runs the README's first command and its zero2 example; each
+            # other one is a training process of 10-30 s on 2 cores, and runs in the slow suite.
+            marks.append(pytest.mark.slow)
         yield pytest.param(args, marks=marks, id=command or "(defaults)")
 
 

@@ -45,6 +45,7 @@ def check_cases(cases: list[tuple[str, str]]) -> None:
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5, msg=f"{case} {key}")
 
 
+@pytest.mark.slow
 def test_selective_and_op_sac_under_sharding_match_single():
     """Fast: the two new policies once each, under a gradient-sharding and a parameter-
     sharding strategy, in one spawn of 2 ranks."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -84,6 +85,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_replicas_stay_equal_under_every_precision():
     world = 2
     results = mp.Manager().dict()

@@ -9,6 +9,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -24,6 +26,7 @@ def _slow_files() -> set[str]:
     return {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
 
 
+@pytest.mark.slow
 def test_every_file_with_a_slow_test_is_in_exactly_one_shard():
     listed = Counter(f for files in SHARDS.values() for f in files)
     assert [f for f, n in listed.items() if n > 1] == []

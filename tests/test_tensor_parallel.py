@@ -127,6 +127,7 @@ def test_tp_collectives_are_megatrons(tp_on, model, sequence_parallel):
     assert summary["comm_bytes_per_step"] == [expected, expected]
 
 
+@pytest.mark.slow
 def test_replicated_kv_heads_match_single_process(tmp_path, reference, text_corpus, cache_dir):
     """Multi-query llama-tiny (1 kv head, 4 query heads) at tp=2, sequence parallel: tp
     cannot split one kv head, so wk and wv are replicated, each rank attends with its 2 query

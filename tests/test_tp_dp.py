@@ -105,6 +105,7 @@ LAYOUT_NAMES = ("strategy", "model", "sequence_parallel", "accum")
 
 
 @pytest.mark.parametrize(LAYOUT_NAMES, LAYOUTS)
+@pytest.mark.slow
 def test_dp_over_tensor_parallel_matches_single_process(
     reference, dp_tp_on, strategy, model, sequence_parallel, accum
 ):

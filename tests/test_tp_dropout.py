@@ -145,6 +145,7 @@ def ranks() -> dict:
 
 
 @pytest.mark.parametrize(("family", "sp"), CASES)
+@pytest.mark.slow
 def test_masks_differ_where_ranks_hold_different_elements(ranks, family, sp):
     """Attention-probability masks (local heads) differ between the tp ranks; the embedding
     and residual masks differ under sequence parallel (sequence shards) and are the same

@@ -79,6 +79,7 @@ def test_ddp_two_ranks_equals_single_process(tmp_path, text_corpus, cache_dir):
     assert single["comm_bytes_per_step"] == [{}]
 
 
+@pytest.mark.slow
 def test_ddp_skips_all_reduce_inside_accumulation(tmp_path, text_corpus, cache_dir):
     acc, _ = run(
         tmp_path,

@@ -111,6 +111,7 @@ def _root_params(summary) -> int:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_communication_per_step_is_2phi_or_3phi(tmp_path, text_corpus, cache_dir, stage):
     summary, _ = run_zero(
         tmp_path,
@@ -166,6 +167,7 @@ def test_stage1_waits_for_the_last_micro_batch_stage2_does_not(tmp_path, text_co
     assert rs2 == pytest.approx(2 * rs1)
 
 
+@pytest.mark.slow
 def test_optimizer_offload_matches(tmp_path, text_corpus, cache_dir, reference):
     summary, out = run_zero(
         tmp_path, text_corpus, cache_dir, 2, 2, "parallelism.offload_optimizer=true"
@@ -252,6 +254,7 @@ def _norms_rank(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_whole_parameter_norms_across_shards():
     """What a norm-based optimizer (LAMB's trust ratio) needs from pieces of parameters."""
     world, results = 2, mp.Manager().dict()

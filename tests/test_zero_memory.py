@@ -68,6 +68,7 @@ def _expected(stage: int, rank: int) -> tuple[dict[str, int], dict[str, int]]:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_peak_model_state_follows_the_paper(tmp_path, text_corpus, cache_dir, stage):
     summary, _ = run(
         tmp_path,

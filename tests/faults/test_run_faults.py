@@ -98,6 +98,7 @@ def stub_config(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_ctrl_c_waits_for_the_ranks_checkpoint(tmp_path):
     """stopped: interrupted (Ctrl-C); the newest checkpoint is DIR/checkpoints/step_000003:
     run the same command to resume from it   (train.py exits 130)"""
@@ -203,6 +204,7 @@ def test_ctrl_c_on_one_rank_ends_the_same_way(tmp_path, text_corpus, cache_dir, 
     assert err.value.exit_code == 130
 
 
+@pytest.mark.slow
 def test_a_failing_rank_shows_its_own_error(tmp_path):
     """error: rank 1 failed: RuntimeError: injected fault on rank 1 (traceback:
     DIR/.rank_errors/rank1.txt)"""
