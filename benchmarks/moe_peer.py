@@ -1,6 +1,6 @@
 """DeepSpeed-MoE as the library peer of our expert parallelism: the same model, data, steps
 and ranks, with each MoE feed-forward either ours (llm/models/moe.py, experts split by
-llm/parallel/expert_parallel.py under our ZeRO-2) or ``deepspeed.moe.layer.MoE`` (with its
+llm/parallel/experts/ under our ZeRO-2) or ``deepspeed.moe.layer.MoE`` (with its
 ep_size) under DeepSpeed's ZeRO-2. ``benchmarks/strategies.py --moe-peer`` prints the table
 "MoE: ours vs DeepSpeed-MoE"; this file alone runs that table only:
 
