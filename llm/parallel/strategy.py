@@ -5,7 +5,7 @@ produced and synchronised (forward and ``backward(loss)`` run inside ``micro_bat
 with sync False inside gradient accumulation), how a step is taken (clipping included),
 what its checkpoint state is, and what it holds and sends (``state_tensors()``: the params,
 grads and optimizer states this rank holds now, which the peak tracker classifies by;
-``memory()``: their bytes; ``take_sent()``).
+``memory()``: their bytes; ``take_sent()``, llm/comm/sent.py's protocol).
 
 ``wrap(model, weights)``: when ``weights`` (a llm.models WeightSource) is given, the model
 arrives on the meta device and the strategy shards it first, then allocates and fills only
@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from llm.comm.sent import SentBytes
 from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
 from llm.models import WeightSource
@@ -54,7 +55,7 @@ from llm.parallel.tensor_parallel import loss_parallel
 from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 
-class Strategy(Protocol):
+class Strategy(SentBytes, Protocol):
     name: str
     dims: ParallelDims
     schedule: Pipeline | None
@@ -88,8 +89,6 @@ class Strategy(Protocol):
     def count_comm(self, on: bool) -> None: ...
 
     def measure(self, on: bool) -> None: ...
-
-    def take_sent(self) -> dict[str, int]: ...
 
 
 class StrategyBase:
