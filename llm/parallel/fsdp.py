@@ -114,9 +114,9 @@ class FSDPStrategy(SingleStrategy):
             "offload_policy": self._offload(),
             # Expert slices differ between ep ranks: FSDP leaves them whole and plain, and
             # micro_batch reduces their gradients over their edp ranks.
-            "ignored_params": set(self.expert_shards.params.values())
-            if self.expert_shards
-            else None,
+            "ignored_params": (
+                set(self.expert_shards.params.values()) if self.expert_shards else None
+            ),
         }
         # The roots: the model, or under pipeline parallel each of this rank's stages (the
         # modules a schedule runs, each with its blocks).

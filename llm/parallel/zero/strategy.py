@@ -147,9 +147,7 @@ class ZeroStrategy(StrategyBase):
             self.world,
             alone=tied,
             align=self.quant_block,
-            skip=frozenset(self.expert_shards.params.values())
-            if self.expert_shards
-            else frozenset(),
+            skip=frozenset(self.expert_shards.params.values() if self.expert_shards else ()),
         )
         master_device = torch.device("cpu") if self.cfg.offload_optimizer else self.device
         return [
@@ -206,9 +204,8 @@ class ZeroStrategy(StrategyBase):
         # parameter (slot) each of the optimizer's tensors, in param_groups order, is part of.
         slots = {id(s): i for i, s in enumerate(s for b in self._trainable for s in b.bucket.slots)}
         piece_of = {id(tensor): piece for piece, tensor in self.piece_params}
-        if (
-            self.expert_shards
-        ):  # elementwise optimizers only (llm/validate.py): no whole-tensor sums
+        # Expert shards: elementwise optimizers only (llm/validate.py), no whole-tensor sums.
+        if self.expert_shards:
             return self.optimizer
         self.optimizer.whole_param_squares = functools.partial(
             summed_squares,
