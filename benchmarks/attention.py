@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.utils import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_device import bench_device
 
+from benchmarks.timing import median_ms
 from llm.attention import attention, check_kernel
 from llm.attention.measure import saved_bytes
 from llm.errors import ConfigError
@@ -77,14 +77,6 @@ def runnable(names: list[str], device: str, dtype: torch.dtype, head_dims, gqa: 
     return keep
 
 
-def _ms(stmt, min_run_time: float) -> float:
-    # torch.utils.benchmark synchronises CUDA and warms up; its median is robust to outliers.
-    t = benchmark.Timer(stmt="f()", globals={"f": stmt}).blocked_autorange(
-        min_run_time=min_run_time
-    )
-    return t.median * 1e3
-
-
 def _peak_mib(run, device: str, inputs_bytes: int) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -124,8 +116,11 @@ def measure(name, shape, causal, dtype, device, min_run_time) -> Row:
         q.grad = k.grad = v.grad = None
         fwd().backward(dout)
 
-    fwd_ms, bwd_ms = _ms(fwd, min_run_time), _ms(bwd, min_run_time)
-    both_ms = _ms(fwd_bwd, min_run_time)
+    fwd_ms, bwd_ms = (
+        median_ms(fwd, min_run_time=min_run_time),
+        median_ms(bwd, min_run_time=min_run_time),
+    )
+    both_ms = median_ms(fwd_bwd, min_run_time=min_run_time)
     flops = 4 * b * h * t * t * d / (2 if causal else 1)
     inputs = sum(x.nbytes for x in (q, k, v, dout))
     saved = saved_bytes(backend, kernel, shape=shape, dtype=dtype, device=device, causal=causal)

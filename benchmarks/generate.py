@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from bench_device import bench_device
 
+from benchmarks.timing import sync
 from llm.errors import ConfigError
 from llm.inference.generate import generate
 from llm.inference.sampling import SamplingParams
@@ -104,11 +105,6 @@ def hf_cache_bytes(cache) -> int:
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Runner:
     """Each row's one timed call: seconds and what it measured."""
 
@@ -124,7 +120,7 @@ class Runner:
         self.mask = torch.tensor(mask, device=self.device)  # (B, P)
 
     def _hf_call(self, new: int):
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         with torch.no_grad():
             out = self.hf.generate(
@@ -136,7 +132,7 @@ class Runner:
                 pad_token_id=0,
                 return_dict_in_generate=True,
             )
-        _sync(self.device)
+        sync(self.device)
         return time.perf_counter() - start, out
 
     def transformers(self) -> dict:
@@ -154,7 +150,7 @@ class Runner:
         }
 
     def ours_row(self, paged: bool) -> dict:
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         g = generate(
             self.ours,
@@ -166,7 +162,7 @@ class Runner:
             block_size=self.block_size,
             kernel="gather",
         )
-        _sync(self.device)
+        sync(self.device)
         total_s = time.perf_counter() - start
         rates = g.stats.tokens_per_s()
         return {

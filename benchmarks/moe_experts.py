@@ -11,26 +11,13 @@ import json
 
 import torch
 
+from benchmarks.timing import mean_cuda_ms
 from llm.models.moe import Experts
 
 SHAPES = {  # name: (d_model, d_expert, routed experts, top_k)
     "mixtral-8x7b": (4096, 14336, 8, 2),
     "deepseek-moe-16b": (2048, 1408, 64, 6),
 }
-
-
-def _time_ms(fn, device: torch.device, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    if device.type != "cuda":
-        return float("nan")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def measure(name, d, f, e, k, tokens, device, dtype, repeats) -> dict:
@@ -53,7 +40,7 @@ def measure(name, d, f, e, k, tokens, device, dtype, repeats) -> dict:
         def step(experts=experts, xi=xi):
             experts(xi, counts).sum().backward()
 
-        row[f"{kernel}_ms"] = _time_ms(step, device, repeats)
+        row[f"{kernel}_ms"] = mean_cuda_ms(step, device, repeats)
         with torch.no_grad():
             outputs[kernel] = experts(x, counts).float()
     row["max_abs_diff"] = (outputs["loop"] - outputs["grouped"]).abs().max().item()

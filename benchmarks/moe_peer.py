@@ -1,6 +1,6 @@
 """DeepSpeed-MoE as the library peer of our expert parallelism: the same model, data, steps
 and ranks, with each MoE feed-forward either ours (llm/models/moe.py, experts split by
-llm/parallel/expert_parallel.py under our ZeRO-2) or ``deepspeed.moe.layer.MoE`` (with its
+llm/parallel/experts/ under our ZeRO-2) or ``deepspeed.moe.layer.MoE`` (with its
 ep_size) under DeepSpeed's ZeRO-2. ``benchmarks/strategies.py --moe-peer`` prints the table
 "MoE: ours vs DeepSpeed-MoE"; this file alone runs that table only:
 
@@ -10,8 +10,8 @@ ep_size) under DeepSpeed's ZeRO-2. ``benchmarks/strategies.py --moe-peer`` print
 CPU ranks (gloo) in fp32 only: strategies.py refuses --moe-peer with another device or
 precision. Rows per rank count N (expert-parallel size N: every rank holds E / N experts):
 - ours: ``train.py model=moe-tiny parallelism=zero2 parallelism.ep_size=N`` through the
-  strategies table's own job runner (a timing pass, then a measuring pass with
-  parallelism.count_comm and the peak tracker on every step).
+  strategies table's own job runner, benchmarks/strategy_runs.py (a timing pass, then a
+  measuring pass with parallelism.count_comm and the peak tracker on every step).
 - deepspeed-moe: the same Transformer (llm.models, the same seeded init) whose blocks'
   ``feed_forward`` is a :class:`DeepSpeedFeedForward`: DeepSpeed's MoE(hidden_size=d_model,
   expert=a SwiGLU of width d_expert, num_experts=E, ep_size=N, k=top_k, use_residual=False,
@@ -57,6 +57,7 @@ import math
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -414,11 +415,11 @@ def moe_namespace(a: argparse.Namespace, ep: int | None) -> argparse.Namespace:
 
 
 def _ours_pass(a: argparse.Namespace, ranks: int, root: Path, measure: bool) -> dict:
-    import strategies as bench
+    import strategy_runs as runs
 
     b = moe_namespace(a, ranks)
-    job = bench.Job("zero2", ranks, a.precision)
-    row = bench._run_pass(b, job, root, measure)
+    job = runs.Job("zero2", ranks, a.precision)
+    row = runs.run_pass(b, job, root, measure)
     if not row["ok"]:
         return row
     run_dir = Path(row["run_dir"])
@@ -443,15 +444,15 @@ def _ours_pass(a: argparse.Namespace, ranks: int, root: Path, measure: bool) -> 
 def _deepspeed_pass(
     a: argparse.Namespace, ranks: int, mode: str, root: Path, measure: bool
 ) -> dict:
-    import strategies as bench
+    import strategy_runs as runs
 
     kind = "measure" if measure else "time"
     root.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix=f"dsmoe-{mode}-{ranks}-{kind}-", dir=root))
     b = moe_namespace(a, None)
-    job = bench.Job("deepspeed2", ranks, a.precision)
-    overrides = [o for o in bench.overrides(b, job, run_dir, measure) if not o.startswith("hydra.")]
-    threads = bench.threads_per_rank(a, ranks)
+    job = runs.Job("deepspeed2", ranks, a.precision)
+    overrides = [o for o in runs.overrides(b, job, run_dir, measure) if not o.startswith("hydra.")]
+    threads = runs.threads_per_rank(a, ranks)
     spec = {
         "ranks": ranks,
         "ep": ranks,
@@ -464,13 +465,13 @@ def _deepspeed_pass(
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
     row = {"ok": False, "error": None, "run_dir": str(run_dir)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(run_dir / "spec.json")]
-    rc = bench.run_timed(cmd, run_dir, threads, a.timeout, row)
+    rc = runs.run_timed(cmd, run_dir, threads, a.timeout, row)
     if rc is None:
         row["error"] = f"timed out after {a.timeout} s"
         return row
     out = run_dir / "result.json"
     if rc != 0 or not out.exists():
-        row["error"] = bench.one_line_error((run_dir / "bench.log").read_text(errors="replace"))
+        row["error"] = runs.one_line_error((run_dir / "bench.log").read_text(errors="replace"))
         return row
     result = json.loads(out.read_text())
     row.update(ok=True, losses=result["losses"], grad_norms=result["grad_norms"])
@@ -542,7 +543,7 @@ def run_row(a: argparse.Namespace, ranks: int, impl: str, root: Path) -> dict:
 def run_rows(a: argparse.Namespace, root: Path) -> list[dict]:
     """Every MoE row at each rank count, each re-taken (once per --retakes) where other
     processes used more than --retake-above cores meanwhile."""
-    import strategies as bench
+    import strategy_runs as runs
 
     impls = ["ours", *a.moe_ds_modes]
     rows = []
@@ -552,7 +553,7 @@ def run_rows(a: argparse.Namespace, root: Path) -> list[dict]:
             for _ in range(a.retakes):
                 if not r["ok"] or r["others_cpu"] <= a.retake_above:
                     break
-                bench.wait_for_quiet(a)
+                runs.wait_for_quiet(a)
                 again = run_row(a, ranks, impl, root)
                 if again["ok"] and again["others_cpu"] < r["others_cpu"]:
                     r = again
@@ -593,7 +594,7 @@ def _per_rank(values: list[float]) -> str:
 
 
 def cells(r: dict, ours: dict | None) -> list[str]:
-    import strategies as bench
+    import strategy_runs as runs
 
     head = [str(r["ranks"]), r["label"]]
     if not r["ok"]:
@@ -612,7 +613,7 @@ def cells(r: dict, ours: dict | None) -> list[str]:
         _per_rank(r["a2a_bytes_per_rank"]),
         formula,
         _per_rank(r["peak_bytes_per_rank"]),
-        bench._peak_cells(r["memory_peak"][0]),
+        runs.peak_cells(r["memory_peak"][0]),
         f"{r['losses'][0]:.4f}",
         f"{r['losses'][-1]:.4f}",
     ]
@@ -624,27 +625,30 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
 
 
 def title(a: argparse.Namespace, rows: list[dict]) -> str:
-    import strategies as bench
+    import strategy_runs as runs
 
     counts = sorted({r["ranks"] for r in rows})
-    threads = ", ".join(f"{bench.threads_per_rank(a, n)} at {n} ranks" for n in counts)
+    threads = ", ".join(f"{runs.threads_per_rank(a, n)} at {n} ranks" for n in counts)
     return (
         f"MoE: ours vs DeepSpeed-MoE; {a.moe_model}, global batch {a.global_batch} x seq "
         f"{a.moe_seq_len} ({a.tokenizer} tokens), {a.precision}, {a.device}, ep = ranks, median "
         f"of steps {a.warmup + 1}-{a.steps}, all-to-all and peaks over {a.measure_steps} "
-        f"measured steps, threads per rank {threads}; {bench.machine(rows)}"
+        f"measured steps, threads per rank {threads}; {runs.machine(rows)}"
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``strategies.py --moe-peer`` with no strategy or layout rows."""
-    import strategies as bench
-
+    """``strategies.py --moe-peer`` with no strategy or layout rows, run as that script (it
+    imports this module for the MoE rows, so this one does not import it back); a rank of
+    DeepSpeed's rows with ``--worker``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         _worker(argv[1])
         return
-    bench.main(["--strategies=", "--layouts=none", "--moe-peer", *argv])
+    cmd = [sys.executable, str(BENCHMARKS / "strategies.py")]
+    rc = subprocess.call([*cmd, "--strategies=", "--layouts=none", "--moe-peer", *argv])
+    if rc:
+        raise SystemExit(rc)
 
 
 if __name__ == "__main__":

@@ -65,13 +65,13 @@ def _measure(a, strategy_name: str, mode: str, rank: int, world: int) -> dict:
         with strategy.micro_batch(sync=True):
             logits = wrapped(x)
             strategy.backward(F.cross_entropy(logits.flatten(0, 1), x.roll(-1, 1).flatten()))
-        strategy.comm()  # what backward moved: not the optimizer's
+        strategy.take_sent()  # what backward moved: not the optimizer's
         start = time.perf_counter()
         with FlopCounterMode(display=False) as flops:
             strategy.clip_and_step(max_norm=1.0)
         seconds = time.perf_counter() - start
         strategy.zero_grad()
-    sent = {k: v for k, v in strategy.comm().items() if k.startswith("optim.")}
+    sent = {k: v for k, v in strategy.take_sent().items() if k.startswith("optim.")}
     layout = strategy.optimizer.shard_layout
     plan = muon_costs(layout, mode, cfg.ns_steps, momentum_bytes=4, ns_bytes=4)[layout.rank]
     return {

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
 
+from benchmarks.timing import one_call_s
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors, storage_bytes
@@ -75,7 +74,7 @@ def _matmul_ms(d: int, dtype: torch.dtype, device) -> float:
     a = torch.randn(d, 4 * d, device=device, dtype=dtype)
     b = a.T.contiguous()
     a @ b
-    return 1e3 * _timed(lambda: a @ b, device)
+    return 1e3 * one_call_s(lambda: a @ b)
 
 
 def _muon_skip_reason(d: int, device) -> str | None:
@@ -93,11 +92,6 @@ def _muon_skip_reason(d: int, device) -> str | None:
         f"against {fp32:.1f} ms for {d}x{4 * d} @ {4 * d}x{d}), and torch.optim.Muon's "
         "Newton-Schulz runs in bf16; name it in --rows to run it anyway"
     )
-
-
-def _timed(fn: Callable[[], None], device) -> float:
-    """Seconds of one call; torch.utils.benchmark synchronises CUDA before and after it."""
-    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).timeit(1).median
 
 
 def _unavailable(row: str, model, device) -> str | None:
@@ -158,14 +152,13 @@ def measure(device: torch.device, name: str, batch: int, seq: int, rounds: int, 
             for p, g in zip(model.parameters(), grads, strict=True):
                 p.grad = g.clone()
             opt.step()  # the state is made lazily: the first step is not timed
-            step_s[row].append(_timed(opt.step, device))
+            step_s[row].append(one_call_s(opt.step))
             opt.zero_grad(set_to_none=True)
             k = getattr(opt, "hessian_every", 1)
             # k training steps, so Sophia's row pays its Hessian estimate once, as it does
             # every k steps in a run.
             train_s[row].append(
-                sum(_timed(lambda s=s, o=opt: train_step(o, s), device) for s in range(1, k + 1))
-                / k
+                sum(one_call_s(lambda s=s, o=opt: train_step(o, s)) for s in range(1, k + 1)) / k
             )
             state[row] = storage_bytes(optimizer_state_tensors(opt)) / n_params
             del opt

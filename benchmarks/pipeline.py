@@ -158,13 +158,13 @@ def _measure(rank: int, world: int, opts, schedule: str, m: int) -> dict:
     idle, sent = [], []
     for _ in range(opts.steps):
         probe.busy = 0.0
-        strategy.comm()  # what earlier steps sent
+        strategy.take_sent()  # what earlier steps sent
         dist.barrier()
         start = time.perf_counter()
         step()
         wall = time.perf_counter() - start
         idle.append(1 - probe.busy / wall)
-        sent.append(sum(strategy.comm().values()))
+        sent.append(sum(strategy.take_sent().values()))
     tracker = PeakTracker(device, "alternate")
     tracker.watch(lambda: module_state_tensors(part))
     with tracker.step(tracked=True):

@@ -30,7 +30,7 @@ import torch
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.gpu_pass.common import time_ms
+from benchmarks.timing import median_ms
 from experiments.quantization import evaluation_data
 from llm.inference.load import load_for_inference
 from llm.inference.quantize import (
@@ -54,7 +54,7 @@ def _decode_matmuls_ms(model: torch.nn.Module, dtype: torch.dtype, device) -> fl
             for m in linears:
                 m(inputs[m])
 
-    return time_ms(step, warmup=3, min_run_time=0.5)
+    return median_ms(step, warmup=3, min_run_time=0.5)
 
 
 LINEAR_NAMES = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}

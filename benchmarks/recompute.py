@@ -33,17 +33,24 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_device import bench_device
 
+from benchmarks.timing import one_call_s
 from llm.attention import check_kernel
 from llm.config import RecomputeConfig
 from llm.errors import ConfigError
 from llm.estimate import layer_terms
 from llm.estimate.activations import RECOMPUTE as FORMULA_POLICIES
-from llm.memory import ActivationMemoryCounter, PeakTracker, find_layers, module_state_tensors
+from llm.memory import (
+    ActivationMemoryCounter,
+    PeakTracker,
+    cuda_peak_bytes,
+    find_layers,
+    module_state_tensors,
+    reset_cuda_peak,
+)
 from llm.models import MODEL_SHAPES, build_model, materialize, model_args
 from llm.precision import resolve_precision
 from llm.recompute import recompute_policy
@@ -153,18 +160,17 @@ def time_steps(s: Setup, warmup: int, steps: int) -> list[float]:
     torch.utils.benchmark synchronises (CUDA) before and after."""
     for _ in range(warmup):
         s.step()
-    timer = benchmark.Timer(stmt="step()", globals={"step": s.step})
-    return [timer.timeit(1).median * 1e3 for _ in range(steps)]
+    return [one_call_s(s.step) * 1e3 for _ in range(steps)]
 
 
 def peak(s: Setup, compiled: bool) -> tuple[int | None, str | None]:
     """One step's peak: the CUDA allocator's, or the tracker's live tensor bytes on CPU."""
     if s.device.type == "cuda":
         s.sync()
-        torch.cuda.reset_peak_memory_stats()
+        reset_cuda_peak(s.device)
         s.step()
         s.sync()
-        return torch.cuda.max_memory_allocated(), None
+        return cuda_peak_bytes(s.device), None
     if compiled:  # the tracker's dispatch mode makes Dynamo run the step eagerly
         return None, None
     tracker = PeakTracker(s.device, "alternate")

@@ -23,8 +23,8 @@ import psutil
 import torch
 import torch.nn.functional as F
 from bench_device import bench_device
-from torch.utils import benchmark
 
+from benchmarks.timing import one_call_s
 from llm.models import MODEL_SHAPES, ModelArgs, build_model, materialize, model_args
 from llm.models.hf_config import hf_config
 
@@ -85,8 +85,7 @@ def run_row(row: Row) -> dict:
     for _ in range(row.warmup):
         step()
     # One step per timing: torch.utils.benchmark synchronises CUDA before and after it.
-    timer = benchmark.Timer(stmt="step()", globals={"step": step})
-    times = [timer.timeit(1).median for _ in range(row.steps)]
+    times = [one_call_s(step) for _ in range(row.steps)]
     if row.device == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:  # ru_maxrss is KiB on Linux; the process is fresh, so its peak is this row's

@@ -21,6 +21,7 @@ from experiments.claims import (
     compare,
     fmt,
 )
+from experiments.series import median_step_time
 from experiments.sweep import Job
 from llm.estimate.activations import layer_terms
 from llm.models.shapes import model_args
@@ -138,13 +139,6 @@ def measured_bytes(job: Job) -> float | None:
     return statistics.mean(job.summary["activation_bytes_per_layer"])
 
 
-def median_step_time(job: Job) -> float | None:
-    if job.failed:
-        return None
-    times = [t for s, t in job.metric("step_time_s") if s > WARMUP_STEPS]
-    return statistics.median(times) if times else None
-
-
 def on_gpu(jobs: list[Job]) -> bool:
     return any(not j.failed and j.summary.get("device") == "cuda" for j in jobs)
 
@@ -188,12 +182,12 @@ def formula_table(jobs: list[Job]) -> Table:
 
 def overhead_table(jobs: list[Job]) -> Table:
     base = next((j for j in jobs if policy(j) == "none" and not j.failed), None)
-    base_t = median_step_time(base) if base else None
+    base_t = median_step_time(base, WARMUP_STEPS) if base else None
     gpu = on_gpu(jobs)
     rows = []
     for j in jobs:
         p = policy(j)
-        t = median_step_time(j)
+        t = None if j.failed else median_step_time(j, WARMUP_STEPS)
         overhead = None if t is None or base_t is None else t / base_t - 1
         key = f"{p}_overhead"
         if p == "none":

@@ -12,6 +12,7 @@ import torch
 
 from experiments.claims import COMPARISON_COLUMNS, FORMULA_COLUMNS, Claim, Table, compare, fmt
 from experiments.fp8_quantisation import RECIPES, recipe
+from experiments.series import median_step_time
 from experiments.sweep import Job
 from llm.estimate.activations import layer_terms
 from llm.models.shapes import model_args
@@ -52,13 +53,6 @@ def precision(job: Job) -> str:
 
 def reference(jobs: list[Job], name: str = "bf16") -> Job | None:
     return next((j for j in jobs if precision(j) == name and not j.failed), None)
-
-
-def median_step_time(job: Job) -> float | None:
-    """Over the timed steps after the warm-up: steps that record fp8 statistics, like every
-    probe, carry no step_time_s."""
-    times = [t for s, t in job.metric("step_time_s") if s > WARMUP_STEPS]
-    return statistics.median(times) if times else None
 
 
 def shape(job: Job):
@@ -119,12 +113,12 @@ def memory_table(jobs: list[Job]) -> Table:
 
 def speed_table(jobs: list[Job]) -> Table:
     ref = reference(jobs)
-    t_ref = median_step_time(ref) if ref else None
+    t_ref = median_step_time(ref, WARMUP_STEPS) if ref else None
     rows = []
     for j in jobs:
         if precision(j) not in RECIPES:
             continue
-        t = None if j.failed else median_step_time(j)
+        t = None if j.failed else median_step_time(j, WARMUP_STEPS)
         speedup = t_ref / t if t and t_ref else None
         reason = None
         if ref is None:
@@ -152,7 +146,7 @@ def per_job_table(jobs: list[Job], label) -> Table:
                 "yes" if s.get("fp8_emulated") else "no" if recipe(j) else "-",
                 fmt(s.get("final_train_loss"), digits=5),
                 fmt(s.get("final_val_loss"), digits=5),
-                fmt(median_step_time(j)),
+                fmt(median_step_time(j, WARMUP_STEPS)),
                 fmt(measured_bytes(j), " B"),
                 fmt(s.get("max_peak_memory_bytes"), " B"),
             )

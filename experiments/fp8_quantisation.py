@@ -58,7 +58,7 @@ def stats(job: Job) -> dict | None:
     return None if job.failed else job.summary.get("fp8_stats")
 
 
-def _missing(job: Job) -> str:
+def _why_no_stats(job: Job) -> str:
     if job.failed:
         return "no measurement (the job failed)"
     return job.summary.get("fp8_stats_note") or "not recorded (precision.fp8_stats_every=0)"
@@ -98,7 +98,7 @@ def kind_table(jobs: list[Job]) -> Table:
     for j in _fp8_jobs(jobs):
         st = stats(j)
         if not st:
-            rows.append((recipe(j), *["-"] * 2 * len(KINDS), _missing(j)))
+            rows.append((recipe(j), *["-"] * 2 * len(KINDS), _why_no_stats(j)))
             continue
         cells = []
         for kind in KINDS:
@@ -125,9 +125,9 @@ def finer_table(jobs: list[Job]) -> Table:
         if recipe(j) == "tensorwise":
             continue
         st = stats(j)
-        reason = None if st else _missing(j)
+        reason = None if st else _why_no_stats(j)
         if reason is None and not base_stats:
-            reason = "tensorwise: " + (_missing(base) if base else "no job")
+            reason = "tensorwise: " + (_why_no_stats(base) if base else "no job")
         for kind in KINDS:
             ours = None
             if reason is None:
@@ -184,7 +184,7 @@ def saturation_table(jobs: list[Job]) -> Table:
         for kind in KINDS:
             of_kind = casts_of_kind(st, kind) if st else []
             if not of_kind:  # nothing of the kind cast: no count of 0 to call "holds"
-                reason = f"no {kind} cast recorded" if st else _missing(j)
+                reason = f"no {kind} cast recorded" if st else _why_no_stats(j)
                 setting = f"{recipe(j)}: {kind}s"
                 rows.append(compare(CLAIMS["no_saturation"], setting, None, 0, "", reason))
                 continue
@@ -208,7 +208,7 @@ def underflow_table(jobs: list[Job]) -> Table:
     for j in _fp8_jobs(jobs):
         st = stats(j)
         if not st:
-            rows.append((recipe(j), *["-"] * len(KINDS), _missing(j)))
+            rows.append((recipe(j), *["-"] * len(KINDS), _why_no_stats(j)))
             continue
         cells = []
         for kind in KINDS:

@@ -25,6 +25,7 @@ from experiments.kv_cache_measure import (
     scaled_block,
     serve_all,
 )
+from experiments.series import smoothed
 from experiments.sweep import FOLLOW_UP, Job
 from llm.errors import LabError
 
@@ -144,21 +145,13 @@ def _measured(jobs: dict[str, Job]) -> tuple[dict[str, dict], dict[str, str]]:
     return out, why
 
 
-def smoothed(rows: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """The trailing mean of SMOOTHING logged values, from the SMOOTHING-th on."""
-    return [
-        (rows[i][0], statistics.mean(v for _, v in rows[i - SMOOTHING + 1 : i + 1]))
-        for i in range(SMOOTHING - 1, len(rows))
-    ]
-
-
 def paired_gaps(job: Job, mha: Job | None) -> list[tuple[int, float]]:
     """The job's smoothed training loss minus MHA's at the same steps: the same seed sees
     the same batches, so the batch-to-batch noise cancels."""
     if mha is None or mha.failed:
         return []
-    base = dict(smoothed(mha.metric("loss")))
-    return [(s, v - base[s]) for s, v in smoothed(job.metric("loss")) if s in base]
+    base = dict(smoothed(mha.metric("loss"), SMOOTHING))
+    return [(s, v - base[s]) for s, v in smoothed(job.metric("loss"), SMOOTHING) if s in base]
 
 
 def second_half_gap(job: Job, mha: Job | None) -> float | None:
@@ -468,7 +461,7 @@ def plots(jobs: list[Job]) -> dict:
 def _loss_plot(main: dict[str, Job], extra: list[Job]):
     fig, (curves, paired) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
     for j in [*main.values(), *extra]:
-        curve = [] if j.failed else smoothed(j.metric("loss"))
+        curve = [] if j.failed else smoothed(j.metric("loss"), SMOOTHING)
         if not curve:  # failed, or fewer logged steps than one smoothing window
             continue
         tail = "" if j in main.values() else f", seed {j.get('train.seed')}"

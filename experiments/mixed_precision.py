@@ -6,11 +6,10 @@ parameter bytes against fp32 and the step time (the design articles: half the we
 
 from __future__ import annotations
 
-import statistics
-
 import matplotlib.pyplot as plt
 
 from experiments.claims import COMPARISON_COLUMNS, Claim, Table, compare, fmt
+from experiments.series import median_step_time
 from experiments.sweep import Job
 
 MP_SOURCE = "Micikevicius et al., 2018, arXiv:1710.03740 (docs/references.md)"
@@ -55,11 +54,6 @@ def _fp32(jobs: list[Job]) -> Job | None:
     return next((j for j in jobs if precision(j) == "fp32" and not j.failed), None)
 
 
-def median_step_time(job: Job) -> float | None:
-    times = [t for s, t in job.metric("step_time_s") if s > WARMUP_STEPS]
-    return statistics.median(times) if times else None
-
-
 def _on_gpu(job: Job) -> bool:
     return not job.failed and job.summary.get("device") == "cuda"
 
@@ -94,8 +88,8 @@ def report(jobs: list[Job]) -> list[Table]:
                 not_comparable=missing,
             )
         )
-        t = median_step_time(j) if ok else None
-        t_ref = median_step_time(ref) if ref else None
+        t = median_step_time(j, WARMUP_STEPS) if ok else None
+        t_ref = median_step_time(ref, WARMUP_STEPS) if ref else None
         reason = missing or (
             None if _on_gpu(j) else "CPU: no 16-bit tensor cores, so no 16-bit speed-up to find"
         )
@@ -112,7 +106,7 @@ def report(jobs: list[Job]) -> list[Table]:
                 j.summary.get("skipped_steps", 0),
                 fmt(scales[0]) if scales else "-",
                 fmt(scales[-1]) if scales else "-",
-                fmt(median_step_time(j)),
+                fmt(median_step_time(j, WARMUP_STEPS)),
             )
         )
     return [

@@ -29,6 +29,7 @@ from experiments.claims import (
     compare,
     fmt,
 )
+from experiments.series import smoothed
 from experiments.sweep import Job
 from llm.models.args import ModelArgs
 from llm.models.shapes import model_args
@@ -216,16 +217,8 @@ def tokens_per_step(job: Job) -> float:
     return job.summary["tokens_seen"] / max(job.summary["steps"], 1)
 
 
-def smoothed(rows: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """The trailing mean of SMOOTHING logged values, from the SMOOTHING-th on."""
-    return [
-        (rows[i][0], statistics.mean(v for _, v in rows[i - SMOOTHING + 1 : i + 1]))
-        for i in range(SMOOTHING - 1, len(rows))
-    ]
-
-
 def loss_curve(job: Job) -> list[tuple[int, float]]:
-    return smoothed(job.metric("loss"))
+    return smoothed(job.metric("loss"), SMOOTHING)
 
 
 def final_loss(job: Job) -> float | None:
@@ -450,7 +443,7 @@ def directional(claim: Claim, setting: str, per_seed: list[float], missing: str 
     return compare(claim, shown, _mean(per_seed), INF, "x")
 
 
-def _missing(roles: dict, *needed: str) -> str | None:
+def _unfinished_roles(roles: dict, *needed: str) -> str | None:
     absent = [ROLE_NAMES[r] for r in needed if not roles.get(r)]
     return f"no finished run of: {', '.join(absent)}" if absent else None
 
@@ -480,7 +473,7 @@ def claims_rows(roles: dict) -> list[tuple]:
     missed = unreached(reach)
     got = [r.speedup for r in reach if r.speedup is not None]
     setting = f"{ROLE_NAMES[AUX]} vs {ROLE_NAMES[DENSE]}, tokens to the dense final loss"
-    missing = _missing(roles, DENSE, AUX)
+    missing = _unfinished_roles(roles, DENSE, AUX)
     reason = missing or scale_reason(roles) or (None if reach else "no seed finished both runs")
     if missed and not missing:
         # Never reached within the run: slower than the dense model, whatever the amount.
@@ -508,7 +501,7 @@ def claims_rows(roles: dict) -> list[tuple]:
             CLAIMS["dense_upper_bound"],
             f"{ROLE_NAMES[AUX]} / {ROLE_NAMES[WIDE]}, final val loss",
             paired(aux, roles.get(WIDE, []), val_loss),
-            _missing(roles, AUX, WIDE),
+            _unfinished_roles(roles, AUX, WIDE),
         )
     )
     none, bias = roles.get(NONE, []), roles.get(BIAS, [])
@@ -522,7 +515,7 @@ def claims_rows(roles: dict) -> list[tuple]:
                 CLAIMS[key],
                 f"{ROLE_NAMES[names[0]]} / {ROLE_NAMES[names[1]]}, max/mean over the last half",
                 paired(a, b, late_imbalance),
-                _missing(roles, *names),
+                _unfinished_roles(roles, *names),
             )
         )
     rows.append(
@@ -530,7 +523,7 @@ def claims_rows(roles: dict) -> list[tuple]:
             CLAIMS["bias_vs_aux_quality"],
             f"{ROLE_NAMES[AUX]} / {ROLE_NAMES[BIAS]}, final val loss",
             paired(aux, bias, val_loss),
-            _missing(roles, AUX, BIAS),
+            _unfinished_roles(roles, AUX, BIAS),
         )
     )
     return rows
@@ -662,7 +655,7 @@ def load_table(roles: dict) -> Table:
         curves = [imbalance(j) for j in js]
         first = [c[0][1] for c in curves if c]
         late = [late_imbalance(j) for j in js]
-        end = [smoothed(c)[-1][1] for c in curves if len(c) >= SMOOTHING]
+        end = [smoothed(c, SMOOTHING)[-1][1] for c in curves if len(c) >= SMOOTHING]
         highest = [max(v for _, v in c) for c in curves if c]
         shares = [late_shares(j) for j in js]
         top = [s[0] for s in shares if s]
@@ -824,7 +817,7 @@ def plots(jobs: list[Job]) -> dict:
         js = roles.get(role)
         if not js:
             continue
-        steps, mean, low, high = mean_band([smoothed(imbalance(j)) for j in js])
+        steps, mean, low, high = mean_band([smoothed(imbalance(j), SMOOTHING) for j in js])
         if steps:
             _band(curve_ax, steps, mean, low, high, f"{ROLE_NAMES[role]} ({len(js)} seeds)")
         shares = [s for s in (late_shares(j) for j in js) if s]

@@ -119,7 +119,7 @@ def _expert_share(job: Job) -> float:
     return experts / num_params(args)
 
 
-def _missing(*jobs: Job | None) -> str | None:
+def _follow_up_not_run(*jobs: Job | None) -> str | None:
     """The reason a row is not comparable when a job it needs did not run."""
     if any(j is None for j in jobs):
         return "the MoE follow-up sweeps did not run"
@@ -135,14 +135,14 @@ def formula_table(jobs: list[Job]) -> Table:
     formula = 1 - _formula_block(top2, 2) / _formula_block(top2, 8) if ok else None
     rows = [
         compare(CLAIMS["moe_activated"], "moe-tiny zero2, ep 2, N=4", activated, formula,
-                not_comparable=_missing(top2, top8)),
+                not_comparable=_follow_up_not_run(top2, top8)),
     ]  # fmt: skip
     ep4, ep1 = (_find(jobs, "ddp", ep) for ep in (4, 1))
     s4, s1 = _states(ep4), _states(ep1)
     saving = None if not s4 or not s1 else 1 - s4 / s1
     expected = _expert_share(ep1) * (1 - 1 / 4) if ep1 is not None else None
     rows.append(compare(CLAIMS["moe_states"], "moe-tiny ddp, ep 4 vs ep 1, N=4", saving,
-                        expected, not_comparable=_missing(ep4, ep1)))  # fmt: skip
+                        expected, not_comparable=_follow_up_not_run(ep4, ep1)))  # fmt: skip
     return Table(
         "Expert parallel (MoE) memory against our formula",
         FORMULA_COLUMNS,
@@ -161,4 +161,4 @@ def comm_rows(jobs: list[Job]) -> list[tuple]:
     x8, x16 = _a2a(top2), _a2a(x16_job)
     grows = None if not x8 or not x16 else x16 / x8
     return [compare(CLAIMS["moe_comm"], "moe-tiny zero2, ep 2, 8 -> 16 experts, N=4", grows,
-                    2.0, not_comparable=_missing(top2, x16_job))]  # fmt: skip
+                    2.0, not_comparable=_follow_up_not_run(top2, x16_job))]  # fmt: skip

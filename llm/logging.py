@@ -213,7 +213,7 @@ class RunLogger:
             tags=list(cfg.tags),
             config=run_config,
             dir=str(self.output_dir),
-            mode=cfg.mode,  # launch.py resolved "auto" to online/offline
+            mode=cfg.mode,  # llm/launch/launcher.py resolved "auto" to online/offline
             settings=wandb.Settings(console="off", silent=True),
         )
 

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from llm.attention import resolve_for
 from llm.build import model_args_for, resolve_device
-from llm.config import Config
+from llm.config import Config, TrainConfig
 from llm.data import build_train_loader, build_val_loader, prepare_data, save_tokenizer
 from llm.data.prefetch import Prefetcher
 from llm.errors import ConfigError
@@ -40,8 +40,8 @@ from llm.models import (
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
 from llm.parallel.dist import RankEnv, gather_object, init_distributed
-from llm.parallel.expert_parallel import expert_mesh
-from llm.parallel.expert_parallel import install as install_expert_exchanges
+from llm.parallel.experts.install import expert_mesh
+from llm.parallel.experts.install import install as install_experts
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
 from llm.parallel.tensor_parallel import apply_tensor_parallel
 from llm.precision import apply_precision, build_loss_scaler, precision_for
@@ -188,122 +188,34 @@ def _lock_on_rank0(lock: RunDirLock, env: RankEnv) -> None:
 def _train(
     cfg: Config, env: RankEnv, device: torch.device, tracker: PeakTracker, stop: StopRequested
 ) -> dict:
-    torch.manual_seed(cfg.train.seed)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
+    """The build in a fixed order (torchtitan's): everything up to wrap() happens on the meta
+    device (no storage): the pipeline split, tensor parallel, recompute, precision, then
+    wrap() shards over dp and allocates and fills only what this rank holds, so under pp,
+    tp, zero3 and fsdp the unsharded model never exists on any rank. Compile comes after
+    wrap. Then the loaders, the logger, the checkpointer and the Trainer's loop."""
+    _seed(cfg.train)
     precision = precision_for(cfg, device)
     precision.apply_backend_flags()
-    dims = ParallelDims.from_config(
-        cfg.parallelism.dp_size,
-        cfg.parallelism.tp_size,
-        cfg.parallelism.pp_size,
-        env.world_size,
-        env.rank,
-        dp_replicate=cfg.parallelism.replicate,
-        device_type=device.type,
-    )
-    output_dir = Path(cfg.output_dir)
-
+    dims = _parallel_dims(cfg, env, device)
     prepared = _prepare_data_rank0_first(cfg, env)
     if env.rank == 0:
-        save_tokenizer(prepared.tokenizer, output_dir)  # llm.generate decodes with it
+        save_tokenizer(prepared.tokenizer, Path(cfg.output_dir))  # llm.generate decodes with it
     tracker.begin("startup")  # model build, wrap and optimizer: one phase of the peak tracker
-    model, weights = build_model_for(
-        cfg, prepared.tokenizer.vocab_size, device, precision.compute_dtype
-    )
+    model, weights, attention = _model_on_meta(cfg, prepared.tokenizer, device, precision)
     args = model.args
-    # The same pick build_model_for made, kept for the log and the summary.
-    attention = resolve_for(
-        cfg.attention, args, device=device, dtype=precision.compute_dtype, seq_len=cfg.data.seq_len
-    )
-    if args.vocab_size < prepared.tokenizer.vocab_size:
-        raise ConfigError(
-            f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
-            f"{prepared.tokenizer.vocab_size}; set model.vocab_size or use another data.tokenizer"
-        )
-    # Fixed order (torchtitan): everything up to wrap() happens on the meta device (no
-    # storage): the pipeline split, tensor parallel, recompute, precision, then wrap()
-    # shards over dp and allocates and fills only what this rank holds, so under pp, tp,
-    # zero3 and fsdp the unsharded model never exists on any rank. Compile comes after
-    # wrap (below).
-    if dims.pp_size > 1:  # this rank's stages only, under the whole model's names
-        layout = PipelineLayout.from_config(cfg.parallelism, args.n_layers)
-        model = PipelinePart(model, layout, dims.pp_rank)
-    if dims.tp_size > 1:
-        model = apply_tensor_parallel(model, dims.tp_mesh(), cfg.parallelism.sequence_parallel)
-    # Before any strategy sees which parameters train; a pipeline part holds some names only.
-    freezer = model.freeze if isinstance(model, PipelinePart) else functools.partial(freeze, model)
-    freezer(cfg.model.freeze)
-    recompute = recompute_policy(cfg.recompute)
-    model = apply_recompute(model, cfg.recompute, recompute)
-    model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears
+    model, recompute = _parallelize_on_meta(model, cfg, dims, precision)
     scaler = build_loss_scaler(cfg.precision, precision.loss_scaling)
     strategy = build_strategy(cfg.parallelism, dims, precision, device, scaler, run_config=cfg)
-    if dims.dp_size > 1:  # MoE layers route over the global batch; ep_size splits experts
-        ep = cfg.parallelism.ep_size
-        mesh = expert_mesh(device.type, dims.dp_size, ep) if ep > 1 else None
-        strategy.experts = install_expert_exchanges(model, dims.dp_group(), mesh, weights, device)
-    model = strategy.wrap(model, weights)
-    if cfg.train.compile:
-        mode = cfg.train.compile_mode
-        model = torch.compile(model, mode=None if mode == "default" else mode)
+    _install_expert_exchanges(model, strategy, weights, cfg, dims, device)
+    model = _compile(strategy.wrap(model, weights), cfg.train)
     optimizer = strategy.build_optimizer(model, cfg.optimizer)
     tracker.watch(strategy.state_tensors)
     tracker.end()
     scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps)
-
-    loader = build_train_loader(
-        prepared, cfg.data, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size, cfg.train.seed
-    )
-    # Read ahead on a thread; on CUDA pinned there, for the Trainer's asynchronous copy.
-    train_loader = Prefetcher(loader, cfg.data.prefetch, device if device.type == "cuda" else None)
-    val_loader = build_val_loader(
-        prepared, cfg.data, cfg.train.micro_batch_size, dims.dp_rank, dims.dp_size
-    )
-
-    run_config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    logger = (
-        RunLogger(
-            cfg.logger,
-            output_dir,
-            run_config,
-            cfg.train.max_steps,
-            run_name=output_dir.name
-            if cfg.sweep_name is None
-            else f"{cfg.sweep_name}/{output_dir.name}",
-            group=cfg.logger.group or cfg.sweep_name,
-        )
-        if env.rank == 0
-        else NullLogger()
-    )
-    if attention.requested == "auto":
-        logger.info(attention.why)
-    if cfg.train.compile and cfg.train.compile_mode == "reduce-overhead" and device.type != "cuda":
-        logger.info(
-            f"train.compile_mode=reduce-overhead: CUDA graphs need a CUDA device; on "
-            f"{device.type} the model compiles as under the default mode"
-        )
-    if precision.fp8_emulated:
-        logger.info(
-            f"fp8: the {precision.fp8_recipe} recipe runs emulated (fp8 quantised and "
-            "dequantised, matmuls in fp32): its rounding and what backward keeps, not its speed"
-        )
-    model_digest = shape_digest(args)
-    checkpointer = (
-        Checkpointer(
-            output_dir / "checkpoints",
-            cfg.checkpoint.keep_last,
-            model_digest,
-            env.world_size,
-            file_bytes=int(cfg.checkpoint.file_mb * 2**20),
-            describes={
-                "model_args": dataclasses.asdict(args),
-                "tokenizer_digest": prepared.tokenizer.digest,
-            },
-        )
-        if cfg.checkpoint.enabled
-        else None
-    )
+    train_loader, val_loader = _loaders(prepared, cfg, dims, device)
+    logger = _logger(cfg, env)
+    _log_choices(logger, cfg, device, precision, attention)
+    checkpointer = _checkpointer(cfg, env, args, prepared.tokenizer)
     trainer = Trainer(
         cfg=cfg,
         model=model,
@@ -313,10 +225,7 @@ def _train(
         val_loader=val_loader,
         logger=logger,
         checkpointer=checkpointer,
-        flops_per_token={
-            "mfu": flops_per_token(args, cfg.data.seq_len),
-            "mfu_causal": causal_flops_per_token(args, cfg.data.seq_len),
-        },
+        flops_per_token=_flops_per_token(args, cfg.data.seq_len),
         peak_flops=peak_flops(device, precision.flops_dtype),
         device=device,
         tracker=tracker,
@@ -333,6 +242,142 @@ def _train(
         return summary
     finally:
         logger.close()
+
+
+def _seed(train: TrainConfig) -> None:
+    torch.manual_seed(train.seed)
+    if train.deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def _parallel_dims(cfg: Config, env: RankEnv, device: torch.device) -> ParallelDims:
+    p = cfg.parallelism
+    return ParallelDims.from_config(
+        p.dp_size,
+        p.tp_size,
+        p.pp_size,
+        env.world_size,
+        env.rank,
+        dp_replicate=p.replicate,
+        device_type=device.type,
+    )
+
+
+def _model_on_meta(cfg: Config, tokenizer, device: torch.device, precision):
+    """(the model on the meta device, its weight source, the attention pick): the same pick
+    build_model_for made, kept for the log and the summary. Refuses a vocabulary smaller
+    than the tokenizer's."""
+    model, weights = build_model_for(cfg, tokenizer.vocab_size, device, precision.compute_dtype)
+    args = model.args
+    attention = resolve_for(
+        cfg.attention, args, device=device, dtype=precision.compute_dtype, seq_len=cfg.data.seq_len
+    )
+    if args.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model vocab_size={args.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size}; set model.vocab_size or use another data.tokenizer"
+        )
+    return model, weights, attention
+
+
+def _parallelize_on_meta(model, cfg: Config, dims: ParallelDims, precision):
+    """Still on the meta device: this rank's pipeline stages (under the whole model's
+    names), tensor parallel, frozen parameters, recompute and the precision's dtypes.
+    Returns (the model, the recompute policy)."""
+    if dims.pp_size > 1:
+        layout = PipelineLayout.from_config(cfg.parallelism, model.args.n_layers)
+        model = PipelinePart(model, layout, dims.pp_rank)
+    if dims.tp_size > 1:
+        model = apply_tensor_parallel(model, dims.tp_mesh(), cfg.parallelism.sequence_parallel)
+    # Before any strategy sees which parameters train; a pipeline part holds some names only.
+    freezer = model.freeze if isinstance(model, PipelinePart) else functools.partial(freeze, model)
+    freezer(cfg.model.freeze)
+    recompute = recompute_policy(cfg.recompute)
+    model = apply_recompute(model, cfg.recompute, recompute)
+    model = apply_precision(model, precision)  # bf16_pure: bf16 weights; fp8: float8 linears
+    return model, recompute
+
+
+def _install_expert_exchanges(model, strategy, weights, cfg: Config, dims, device) -> None:
+    """Under data parallelism MoE layers route over the global batch; ep_size > 1 also cuts
+    the experts to this rank's, which the strategy then holds apart."""
+    if dims.dp_size > 1:
+        ep = cfg.parallelism.ep_size
+        mesh = expert_mesh(device.type, dims.dp_size, ep) if ep > 1 else None
+        strategy.expert_shards = install_experts(model, dims.dp_group(), mesh, weights, device)
+
+
+def _compile(model, train: TrainConfig):
+    if not train.compile:
+        return model
+    mode = train.compile_mode
+    return torch.compile(model, mode=None if mode == "default" else mode)
+
+
+def _loaders(prepared, cfg: Config, dims: ParallelDims, device: torch.device):
+    """(training loader, validation loader), each sharded by dp rank. The training one reads
+    ahead on a thread; on CUDA pinned there, for the Trainer's asynchronous copy."""
+    batch = cfg.train.micro_batch_size
+    loader = build_train_loader(
+        prepared, cfg.data, batch, dims.dp_rank, dims.dp_size, cfg.train.seed
+    )
+    train_loader = Prefetcher(loader, cfg.data.prefetch, device if device.type == "cuda" else None)
+    val_loader = build_val_loader(prepared, cfg.data, batch, dims.dp_rank, dims.dp_size)
+    return train_loader, val_loader
+
+
+def _logger(cfg: Config, env: RankEnv) -> RunLogger | NullLogger:
+    """Rank 0 logs; the others log nothing."""
+    if env.rank != 0:
+        return NullLogger()
+    output_dir = Path(cfg.output_dir)
+    run_config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return RunLogger(
+        cfg.logger,
+        output_dir,
+        run_config,
+        cfg.train.max_steps,
+        run_name=output_dir.name
+        if cfg.sweep_name is None
+        else f"{cfg.sweep_name}/{output_dir.name}",
+        group=cfg.logger.group or cfg.sweep_name,
+    )
+
+
+def _log_choices(logger, cfg: Config, device: torch.device, precision, attention) -> None:
+    """The lines that say what the run picked or could not do on this device."""
+    if attention.requested == "auto":
+        logger.info(attention.why)
+    if cfg.train.compile and cfg.train.compile_mode == "reduce-overhead" and device.type != "cuda":
+        logger.info(
+            f"train.compile_mode=reduce-overhead: CUDA graphs need a CUDA device; on "
+            f"{device.type} the model compiles as under the default mode"
+        )
+    if precision.fp8_emulated:
+        logger.info(
+            f"fp8: the {precision.fp8_recipe} recipe runs emulated (fp8 quantised and "
+            "dequantised, matmuls in fp32): its rounding and what backward keeps, not its speed"
+        )
+
+
+def _checkpointer(cfg: Config, env: RankEnv, args, tokenizer) -> Checkpointer | None:
+    if not cfg.checkpoint.enabled:
+        return None
+    return Checkpointer(
+        Path(cfg.output_dir) / "checkpoints",
+        cfg.checkpoint.keep_last,
+        shape_digest(args),
+        env.world_size,
+        file_bytes=int(cfg.checkpoint.file_mb * 2**20),
+        describes={"model_args": dataclasses.asdict(args), "tokenizer_digest": tokenizer.digest},
+    )
+
+
+def _flops_per_token(args, seq_len: int) -> dict[str, float]:
+    return {
+        "mfu": flops_per_token(args, seq_len),
+        "mfu_causal": causal_flops_per_token(args, seq_len),
+    }
 
 
 def _prepare_data_rank0_first(cfg: Config, env: RankEnv):

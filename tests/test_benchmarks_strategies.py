@@ -15,20 +15,21 @@ from llm.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import strategies as bench
+import strategy_runs as runs
 
 
-@pytest.mark.parametrize("name", list(bench.LAYOUTS))
+@pytest.mark.parametrize("name", list(runs.LAYOUTS))
 def test_every_layout_row_passes_train_checks(tmp_path, name):
     """The script's own overrides for the row (CPU defaults: gpt2-mini, 4 blocks, global
     batch 8), so a layout that train.py would refuse cannot wait in the table as a failure."""
     a = bench.parse(["--device=cpu", "--strategies=", f"--layouts={name}"])
     [job] = bench.jobs_of(a)
-    overrides = bench.overrides(a, job, tmp_path, measure=True)
+    overrides = runs.overrides(a, job, tmp_path, measure=True)
     # hydra.run.dir gives a run its output_dir, which compose leaves unresolved: named here.
     kept = [o for o in overrides if not o.startswith("hydra.")]
     cfg = compose_config([*kept, f"output_dir={tmp_path}"])
     validate(cfg)
-    layout = bench.LAYOUTS[name]
+    layout = runs.LAYOUTS[name]
     p = cfg.parallelism
     assert cfg.launcher.nproc_per_node == layout.ranks == job.ranks
     assert (p.tp_size, p.pp_size) == (layout.tp, layout.pp)
@@ -37,8 +38,8 @@ def test_every_layout_row_passes_train_checks(tmp_path, name):
 
 def test_default_layouts_are_one_tensor_and_one_pipeline_row():
     names = bench.parse(["--device", "cpu"]).layout_names
-    assert any(bench.LAYOUTS[n].tp > 1 for n in names)
-    assert any(bench.LAYOUTS[n].pp > 1 for n in names)
+    assert any(runs.LAYOUTS[n].tp > 1 for n in names)
+    assert any(runs.LAYOUTS[n].pp > 1 for n in names)
 
 
 @pytest.mark.slow  # six 2-rank launches: 139 s on the shared cores; the fast suite is full

@@ -1,4 +1,4 @@
-"""One MoE layer under expert parallelism (llm/parallel/expert_parallel.py) in spawned gloo
+"""One MoE layer under expert parallelism (llm/parallel/experts/) in spawned gloo
 ranks against one process that runs the whole batch: outputs, input gradients, expert and
 router gradients, the balance loss, the dropped tokens of a capacity, and the all-to-all
 bytes against their formula."""
@@ -16,7 +16,7 @@ from llm.launch.launcher import free_port
 from llm.models import model_args
 from llm.models.moe import MoE
 from llm.models.weights import InitSource
-from llm.parallel.expert_parallel import expert_mesh, expert_range, install
+from llm.parallel.experts.install import expert_mesh, expert_range, install
 
 BATCH, SEQ = 8, 12  # global: BATCH / world sequences per rank
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; rows reach the experts in another order per layout

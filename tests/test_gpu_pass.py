@@ -87,7 +87,7 @@ def test_a_section_past_its_limit_is_killed_and_keeps_its_rows(tmp_path):
         )
     assert status.startswith("timed out after 8") and "kept" in status
     assert result["rows"] == [{"x": 1}]
-    # What it had imported by its last checkpoint names the files its rows depend on.
+    # What it had imported by its last partial write names the files its rows depend on.
     assert "tests/gpu_pass_fakes/slow.py" in modules
     assert seconds < 60
 

@@ -106,7 +106,7 @@ def test_expert_parallel_reads_its_split_sizes_once_per_layer(
     layers = MODEL_SHAPES["moe-tiny"].n_layers
     for rank in ranks:
         for rows in rank["reads"].values():
-            assert all("expert_parallel.py" in row["where"] for row in rows), rows
+            assert all("llm/parallel/experts/exchange.py" in row["where"] for row in rows), rows
             assert sum(row["count"] for row in rows) == layers, rows
 
 

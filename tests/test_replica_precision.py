@@ -68,7 +68,7 @@ def _train(name: str, rounding: str, rank: int, world: int) -> list[tuple[bool, 
         strategy.clip_and_step(1.0)
         strategy.zero_grad()
         checks.append((grads_equal, _same_on_every_rank(list(model.parameters()))))
-    assert strategy.comm() == {}  # counting is opt-in (parallelism.count_comm)
+    assert strategy.take_sent() == {}  # counting is opt-in (parallelism.count_comm)
     return checks
 
 

@@ -18,6 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from llm.attention import Documents, attention, check_kernel, xformers_backend
 from llm.attention.eager import eager
+from llm.attention.support import package_missing
 from llm.errors import ConfigError
 from llm.estimate import layer_terms
 from llm.memory import ActivationMemoryCounter
@@ -140,7 +141,9 @@ def test_missing_package_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ConfigError, match="pip install xformers"):
         attention(q, k, v, backend="xformers")
     # A build for another torch can fail on import with a long message: still one line.
-    assert "\n" not in xformers_backend._missing(RuntimeError("undefined symbol\nat line 2"))
+    assert "\n" not in package_missing(
+        "xformers", "xformers", RuntimeError("undefined symbol\nat line 2"), ""
+    )
 
 
 @pytest.mark.skipif(

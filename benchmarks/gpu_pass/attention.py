@@ -22,12 +22,12 @@ import torch
 from benchmarks.gpu_pass.common import (
     Goal,
     Result,
-    checkpoint,
     deadline,
     device,
     earlier_rows,
-    time_ms,
+    write_partial_rows,
 )
+from benchmarks.timing import median_ms
 from llm.attention import Documents, attention, check_kernel
 from llm.errors import ConfigError
 
@@ -141,8 +141,8 @@ def measure(name: str, d: int, t: int, docs: bool, s: dict, dev) -> dict:
         fwd().backward(dout)
 
     with torch.no_grad():
-        fwd_ms = time_ms(fwd, warmup=2, min_run_time=s["min_run_time"])
-    both_ms = time_ms(fwd_bwd, warmup=2, min_run_time=s["min_run_time"])
+        fwd_ms = median_ms(fwd, warmup=2, min_run_time=s["min_run_time"])
+    both_ms = median_ms(fwd_bwd, warmup=2, min_run_time=s["min_run_time"])
     flops = 4 * h * d * allowed_pairs(ids, b, t)
     return {
         "backend": name, "head_dim": d, "seq_len": t, "batch": b, "docs": docs,
@@ -289,5 +289,5 @@ def run(dry: bool) -> Result:
             continue
         rows.append(row)
         print(row, flush=True)
-        checkpoint(_result(rows, notes, skipped, dry))
+        write_partial_rows(_result(rows, notes, skipped, dry))
     return _result(rows, notes, skipped, dry)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -36,11 +35,12 @@ from benchmarks.gpu_pass.common import (
     OUT_ENV,
     Goal,
     Result,
-    checkpoint,
     deadline,
     device,
     environment,
+    write_partial_rows,
 )
+from benchmarks.timing import median_s
 from llm.train.metrics import lookup_peak_flops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,26 +68,6 @@ DRY = {
 COLUMNS = ["measure", "shape", "ms", "tflops", "gb_per_s", "pct_peak"]
 
 
-def seconds(fn, dev: torch.device, warmup: int, reps: int) -> float:
-    """Median seconds of one call of ``fn``: CUDA events on a GPU, the wall clock on CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _sig(value: float) -> float:
     """Four significant digits: more than a median of a few calls resolves."""
     return float(f"{value:.4g}")
@@ -112,7 +92,7 @@ def matmul_row(t: int, h: int, ratio: float, spec: dict, dev, peak) -> dict:
         torch.mm(dy, w.t(), out=dx)
         torch.mm(x.t(), dy, out=dw)
 
-    s = seconds(triple, dev, spec["warmup"], spec["reps"])
+    s = median_s(triple, dev, spec["warmup"], spec["reps"])
     shape = f"T {t}, h {h}, n {n}"
     return _rate_row("matmul", shape, s, 6 * t * h * n, peak=peak, tokens=t, width=h, ratio=ratio)
 
@@ -128,7 +108,7 @@ def attention_row(backend: str, d: int, seq: int, spec: dict, dev, peak) -> dict
         torch.autograd.grad(out, (q, k, v), grad)
 
     with sdpa_kernel(BACKENDS[backend]):
-        s = seconds(step, dev, spec["warmup"], spec["reps"])
+        s = median_s(step, dev, spec["warmup"], spec["reps"])
     flops = 12 * seq * heads * d * batch * seq
     shape = f"B {batch}, H {heads}, S {seq}, D {d}"
     return _rate_row(f"attention:{backend}", shape, s, flops, peak=peak, head_dim=d, seq=seq)
@@ -142,7 +122,7 @@ def adamw_row(spec: dict, dev) -> dict:
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    s = seconds(opt.step, dev, spec["warmup"], spec["reps"])
+    s = median_s(opt.step, dev, spec["warmup"], spec["reps"])
     n = chunk * len(params)
     moved = ADAMW_BYTES_PER_PARAM * n
     return _rate_row("adamw_fused", f"{n:,} fp32 params", s, moved=moved, params=n)
@@ -161,7 +141,7 @@ def elementwise_rows(spec: dict, dev) -> list[dict]:
     }
     out = []
     for name, fn in kernels.items():
-        s = seconds(fn, dev, spec["warmup"], spec["reps"])
+        s = median_s(fn, dev, spec["warmup"], spec["reps"])
         moved = ELEMENTWISE[name] * x.numel() * x.element_size()
         out.append(_rate_row(name, f"{rows_} x {cols} {str(spec['dtype'])[6:]}", s, moved=moved))
     return out
@@ -285,7 +265,7 @@ def _measure(spec: dict, dev, peak, stop_at: float) -> tuple[list[dict], list[st
             notes.append(f"{kind} {args}: not measured ({str(exc).splitlines()[0][:160]})")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        checkpoint(_result(rows, notes, [], spec, dev.type == "cpu"))
+        write_partial_rows(_result(rows, notes, [], spec, dev.type == "cpu"))
     return rows, notes
 
 

@@ -1,4 +1,5 @@
-"""What every section shares: its result (rows, goals, notes), the timer and the device."""
+"""What every section shares: its result (rows, goals, notes) and the device; timing is
+benchmarks/timing.py's."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.utils import benchmark
 
 from benchmarks.gpu_pass.provenance import write_module_files
 
@@ -76,7 +75,7 @@ def earlier_rows() -> list[dict]:
         return [{**row, "earlier": True} for row in json.load(f)]
 
 
-def checkpoint(result: Result) -> None:
+def write_partial_rows(result: Result) -> None:
     """Write the rows so far, and the files imported so far, where the runner reads them if
     the section runs out of time (GPU_PASS_PARTIAL_JSON); a no-op outside the runner."""
     path = os.environ.get(PARTIAL_ENV)
@@ -94,27 +93,6 @@ def deadline(reserve_s: float) -> float:
     and at least half the limit."""
     limit = float(os.environ.get(LIMIT_ENV, "600"))
     return time.monotonic() + max(limit - reserve_s, limit / 2)
-
-
-def time_ms(fn: Callable[[], object], *, warmup: int, min_run_time: float) -> float:
-    """Median milliseconds per call of ``fn`` after ``warmup`` calls. torch.utils.benchmark
-    synchronises CUDA around each timed block, so asynchronous kernels are counted whole."""
-    for _ in range(warmup):
-        fn()
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
-
-
-def peak_allocated(dev: torch.device) -> int | None:
-    """The CUDA allocator's peak since the last reset; None on CPU (no allocator peak)."""
-    return torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-
-
-def reset_peak(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
 
 
 def _version(package: str) -> str | None:

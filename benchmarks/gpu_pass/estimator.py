@@ -21,7 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from benchmarks.gpu_pass.common import Goal, Result, checkpoint, device
+from benchmarks.gpu_pass.common import Goal, Result, device, write_partial_rows
 from llm.build import model_args_for, tokenizer_vocab_size
 from llm.config import register_configs, to_dataclass
 from llm.estimate.estimator import estimate
@@ -117,7 +117,7 @@ def run(dry: bool) -> Result:
                         f"{model} {policy}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     )
                 print(rows[-1] if rows else None, flush=True)
-                checkpoint(_result(rows, notes, dry))
+                write_partial_rows(_result(rows, notes, dry))
     return _result(rows, notes, dry)
 
 

@@ -17,8 +17,10 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_pass.common import Result, device, peak_allocated, reset_peak, time_ms
+from benchmarks.gpu_pass.common import Result, device
+from benchmarks.timing import median_ms
 from llm.errors import ConfigError
+from llm.memory import cuda_peak_bytes, reset_cuda_peak
 from llm.models import build_model, materialize, model_args
 from llm.precision import apply_fp8, resolve_precision
 
@@ -48,13 +50,13 @@ def _train(model, batch, steps: int, compiled: bool, dev) -> tuple[list[float], 
         return loss.detach()
 
     losses = [step().item() for _ in range(steps)]
-    return losses, time_ms(step, warmup=0, min_run_time=0.5 if dev.type == "cuda" else 0.05)
+    return losses, median_ms(step, warmup=0, min_run_time=0.5 if dev.type == "cuda" else 0.05)
 
 
 def _row(name: str, gemm: str, model, batch, s: dict, dev) -> dict:
-    reset_peak(dev)
+    reset_cuda_peak(dev, empty_cache=True)
     losses, ms = _train(model, batch, s["steps"], s["compile"], dev)
-    peak = peak_allocated(dev)
+    peak = cuda_peak_bytes(dev)
     return {
         "recipe": name, "gemm": gemm, "step_ms": ms,
         "tokens_per_s": s["batch"] * s["seq_len"] / ms * 1e3,

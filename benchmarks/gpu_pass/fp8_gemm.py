@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_pass.common import Result, device, time_ms
+from benchmarks.gpu_pass.common import Result, device
+from benchmarks.timing import median_ms
 from llm.precision.fp8.scaling import quantize_blocks, quantize_tiles
 from llm.precision.fp8.triton_gemm import fp8_blockwise_mm, fp8_gemm_unavailable
 
@@ -67,16 +68,16 @@ def _row(shape: tuple, dev, why: str | None, min_time: float, notes: list[str]) 
 
     row = {
         "linear": name, "shape": f"{m}x{k} @ {k}x{n}",
-        "emulated_ms": time_ms(emulated, warmup=1, min_run_time=min_time),
-        "bf16_ms": time_ms(lambda: xb @ wb.t(), warmup=2, min_run_time=min_time),
+        "emulated_ms": median_ms(emulated, warmup=1, min_run_time=min_time),
+        "bf16_ms": median_ms(lambda: xb @ wb.t(), warmup=2, min_run_time=min_time),
     }  # fmt: skip
     if not why:
         reference = emulated()
-        row["ours_ms"] = time_ms(ours, warmup=3, min_run_time=min_time)
+        row["ours_ms"] = median_ms(ours, warmup=3, min_run_time=min_time)
         row["ours_max_rel_diff"] = _rel(ours(), reference)
         try:
             row["torch_max_rel_diff"] = _rel(_scaled_mm(xq, wq), reference)
-            row["torch_ms"] = time_ms(lambda: _scaled_mm(xq, wq), warmup=3, min_run_time=min_time)
+            row["torch_ms"] = median_ms(lambda: _scaled_mm(xq, wq), warmup=3, min_run_time=min_time)
         except (RuntimeError, AttributeError) as e:  # cuBLAS or torch without the recipe
             notes.append(f"{name}: torch's blockwise scaled_mm not run: {str(e).splitlines()[0]}")
     for key in ("ours", "torch", "bf16"):

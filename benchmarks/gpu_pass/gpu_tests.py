@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.gpu_pass.common import Goal, Result, checkpoint, earlier_rows
+from benchmarks.gpu_pass.common import Goal, Result, earlier_rows, write_partial_rows
 
 REPO = Path(__file__).resolve().parents[2]
 PYTEST = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider"]
@@ -45,7 +45,7 @@ def _run_tests() -> list[dict]:
         if found := RESULT_LINE.match(line):
             test, outcome = found.groups()
             rows[test] = {"test": test, "outcome": outcome.lower(), "message": ""}
-            checkpoint(_result(list(rows.values()), dry=False))
+            write_partial_rows(_result(list(rows.values()), dry=False))
         elif (found := SUMMARY_LINE.match(line)) and found.group(2) in rows:
             rows[found.group(2)]["message"] = (found.group(3) or "")[:160]
     proc.wait()

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from benchmarks.gpu_pass.common import Result, checkpoint, deadline, device
+from benchmarks.gpu_pass.common import Result, deadline, device, write_partial_rows
+from benchmarks.timing import mean_back_to_back_us
 from llm.errors import ConfigError
 from llm.inference.generate import build_cache, generate
 from llm.inference.kv_cache import kv_bytes_per_token
@@ -62,7 +63,7 @@ def _decode(model, s: dict, batch: int, paged: bool, kernel: str) -> dict:
         1, 2
     )
     cache.begin_step(list(range(batch)), 1, kv.device)  # once per step, not timed
-    us = _us_per_call(lambda: cache.attend(0, q), s["min_run_time"])
+    us = mean_back_to_back_us(lambda: cache.attend(0, q), s["min_run_time"])
     return {
         "decode_tok_s": gen.stats.tokens_per_s()["decode"],
         "attn_us": us,
@@ -70,24 +71,6 @@ def _decode(model, s: dict, batch: int, paged: bool, kernel: str) -> dict:
         "cache_bytes_per_slot": cache.nbytes() / cache.capacity_tokens,
         "cache_mib": cache.nbytes() / 2**20,
     }
-
-
-def _us_per_call(fn, min_run_time: float) -> float:
-    """Mean microseconds per call, back to back, over at least ``min_run_time`` s after 3
-    warm-up calls: GPU time where the host keeps ahead, host time where it does not.
-    Not common.time_ms: torch.utils.benchmark's Timer runs with one thread, which fails a
-    guard of dynamo's compiled flex call, so it would time a recompile and then, past the
-    recompile limit, flex's unfused reference."""
-    for _ in range(3):
-        fn()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    calls, start = 0, time.perf_counter()
-    while calls < 3 or time.perf_counter() - start < min_run_time:
-        fn()
-        calls += 1
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def _plan(s: dict, n_heads: int, dev) -> list[tuple[str, int | None, int, str, str]]:
@@ -127,7 +110,7 @@ def run(dry: bool) -> Result:
         figures = _decode(models[n_kv], s, batch, cache == "paged", kernel)
         rows.append({"part": part, "cache": cache, "kernel": kernel, "n_kv_heads": n_kv,
                      "batch": batch, "context": s["prompt"] + s["new"], **figures})  # fmt: skip
-        checkpoint(_result(rows, notes, skipped, s, base))
+        write_partial_rows(_result(rows, notes, skipped, s, base))
     return _result(rows, notes, skipped, s, base)
 
 

@@ -15,7 +15,7 @@ import time
 import step_vs_transformers as svt
 import torch
 
-from benchmarks.gpu_pass.common import Goal, Result, checkpoint, deadline, device
+from benchmarks.gpu_pass.common import Goal, Result, deadline, device, write_partial_rows
 from llm.models import model_args
 from llm.models.counting import flops_per_token
 from llm.train.metrics import lookup_peak_flops
@@ -103,5 +103,5 @@ def run(dry: bool) -> Result:
             "peak_alloc_mib": r["peak_mib"] if not dry else None,
             "params": r["params"],
         })  # fmt: skip
-        checkpoint(_result(out, notes, per_token, peak, dry))
+        write_partial_rows(_result(out, notes, per_token, peak, dry))
     return _result(out, notes, per_token, peak, dry)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks.gpu_pass.common import Goal, Result, checkpoint, deadline, device
+from benchmarks.gpu_pass.common import Goal, Result, deadline, device, write_partial_rows
 from benchmarks.gpu_pass.estimator import small_corpus
 from benchmarks.gpu_pass.nccl_runs import PairPlan, Trace, first_line, one_rank, pair_rank
 from llm.train.probes import ProbeSchedule
@@ -365,7 +365,7 @@ def world_1_rows(work, corpus, dry, ds_missing, rows, notes) -> dict[str, dict[i
         if synced:
             notes.append(f"{s.label}: syncs on non-logged {synced}")
         rows.append(r)
-        checkpoint(result(rows, notes, dry))
+        write_partial_rows(result(rows, notes, dry))
     return references
 
 

@@ -165,7 +165,7 @@ def first_line(exc: BaseException) -> str:
 
 def _probe(name: str, dev: torch.device, world: int) -> None:
     """One collective of ``name`` on tensors of ``dev``, as the strategies call it."""
-    from llm.parallel.zero.collectives import all_gather, reduce_scatter
+    from llm.comm.collectives import all_gather, reduce_scatter
 
     x = torch.ones(world * 4, device=dev)
     if name == "all_reduce":

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.gpu_pass.common import Result, device, time_ms
+from benchmarks.gpu_pass.common import Result, device
+from benchmarks.timing import median_ms
 from llm.inference.forward import decode, prefill
 from llm.inference.kv_cache import ContiguousKVCache
 from llm.inference.quantize import QuantizedLinear, quantize_model, torchao_int4
@@ -70,9 +71,9 @@ def _matmul_rows(s: dict, dev: torch.device, notes: list[str]) -> list[dict]:
         for b in s["batches"]:
             x = torch.randn(b, k, device=dev, dtype=s["dtype"])
             with torch.no_grad():
-                base = time_ms(partial(F.linear, x, linear.weight), **timing)
-                mine = time_ms(partial(ours, x), **timing)
-                tao = None if theirs is None else time_ms(partial(theirs, x), **timing)
+                base = median_ms(partial(F.linear, x, linear.weight), **timing)
+                mine = median_ms(partial(ours, x), **timing)
+                tao = None if theirs is None else median_ms(partial(theirs, x), **timing)
             rows.append({
                 "what": f"matmul {k}->{n}", "batch": b, "dense_ms": base, "ours_ms": mine,
                 "torchao_ms": tao, "ours_speedup": base / mine,
@@ -112,7 +113,7 @@ def _decode_ms(model: nn.Module, batch: int, s: dict, dev: torch.device) -> floa
         for q in seqs:  # the same position every call: the row holds prompt + 1 tokens
             cache.lens[q] -= 1
 
-    return time_ms(step, warmup=3, min_run_time=s["min_time"])
+    return median_ms(step, warmup=3, min_run_time=s["min_time"])
 
 
 def _decode_rows(s: dict, dev: torch.device, notes: list[str]) -> list[dict]:

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_pass.common import NOT_MEASURED, Goal, Result, checkpoint, deadline, device
+from benchmarks.gpu_pass.common import (
+    NOT_MEASURED,
+    Goal,
+    Result,
+    deadline,
+    device,
+    write_partial_rows,
+)
 from benchmarks.gpu_pass.speed_rows import (
     VOCAB_MULTIPLE,
     Row,
@@ -296,5 +303,5 @@ def run(dry: bool) -> Result:
                 {**table_row(key, shape, got, peak_flops), "row_s": time.monotonic() - started}
             )
             notes += _row_notes(key, got, said)
-            checkpoint(_result(rows, notes, dry, peak_flops))
+            write_partial_rows(_result(rows, notes, dry, peak_flops))
     return _result(rows, notes, dry, peak_flops)

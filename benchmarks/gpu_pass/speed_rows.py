@@ -33,7 +33,9 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.timing import sync
 from llm.attention.auto import Device, resolve
+from llm.memory import cuda_peak_bytes, reset_cuda_peak
 from llm.models import ModelArgs, build_model, materialize
 from llm.models.hf_config import hf_config
 from llm.train.loss import head_loss, unavailable
@@ -91,11 +93,6 @@ def attention_pick(args: ModelArgs, device: torch.device, seq_len: int):
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _short(name: str) -> str:
     """A kernel name fit for a table cell: no pipes, no leading ``void``, at most NAME_CHARS
     characters."""
@@ -136,8 +133,7 @@ def run_row(row: Row) -> dict:
     """Build, warm up, time, read the loss, profile one more step; runs in its own process."""
     dev = torch.device(row.device)
     torch.manual_seed(0)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+    reset_cuda_peak(dev)
     model, picks = _build(row, dev)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=dev.type == "cuda")
@@ -166,17 +162,17 @@ def run_row(row: Row) -> dict:
         step(i)
     times, last = [], None
     for i in range(row.warmup, row.warmup + row.steps):
-        _sync(dev)
+        sync(dev)
         start = time.perf_counter()
         last = step(i)
-        _sync(dev)
+        sync(dev)
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    peak = cuda_peak_bytes(dev)
     loss = last.item()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step(row.warmup + row.steps - 1)
-        _sync(dev)
+        sync(dev)
     return {
         "tokens_per_s": tokens / statistics.median(times),
         "peak_alloc_bytes": peak,

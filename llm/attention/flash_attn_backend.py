@@ -14,7 +14,7 @@ import importlib
 from torch import Tensor
 
 from llm.attention.documents import Documents
-from llm.attention.support import HALVES, Support
+from llm.attention.support import HALVES, Support, package_missing
 from llm.errors import ConfigError
 
 # flash-attn 2 on Ampere, Ada and Hopper GPUs.
@@ -23,15 +23,11 @@ SUPPORT = {"cuda": Support(dtypes=HALVES, max_head_dim=256, head_dim_multiple=8)
 _INSTALL = "pip install -e .[flash] on a CUDA machine (it builds against CUDA)"
 
 
-def _missing(e: ImportError) -> str:
-    return f"attention=flash_attn needs the flash-attn package ({e}); {_INSTALL}"
-
-
 def unavailable() -> str | None:
     try:
         importlib.import_module("flash_attn")
     except ImportError as e:
-        return _missing(e)
+        return package_missing("flash_attn", "flash-attn", e, _INSTALL)
     return None
 
 
@@ -39,7 +35,7 @@ def _package():
     try:
         return importlib.import_module("flash_attn")
     except ImportError as e:
-        raise ConfigError(_missing(e)) from None
+        raise ConfigError(package_missing("flash_attn", "flash-attn", e, _INSTALL)) from None
 
 
 def flash_attn(

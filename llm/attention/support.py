@@ -104,3 +104,10 @@ def check_support(
             f"{name} on {device} has no backward (evaluation only), so it cannot train; use "
             "attention=sdpa or eager here, or a GPU"
         )
+
+
+def package_missing(option: str, package: str, error: Exception, install: str) -> str:
+    """The one-line refusal of ``attention=option`` when importing ``package`` raised
+    ``error``: its first line (or its type, where it has no message) and the fix."""
+    why = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"attention={option} needs the {package} package ({why}); {install}"

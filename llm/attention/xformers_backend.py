@@ -24,7 +24,7 @@ from torch import Tensor
 
 from llm.attention.documents import Documents
 from llm.attention.eager import repeat_kv
-from llm.attention.support import FLOATS, Support
+from llm.attention.support import FLOATS, Support, package_missing
 from llm.errors import ConfigError
 
 # CUDA only. fp16/bf16 run FlashAttention inside xFormers (sm80+, head dim <= 256, a multiple
@@ -35,17 +35,12 @@ SUPPORT = {"cuda": Support(dtypes=FLOATS, max_head_dim=256, head_dim_multiple=8)
 _INSTALL = "pip install xformers on a CUDA machine (the release built for this torch)"
 
 
-def _missing(e: Exception) -> str:
-    why = (str(e).strip().splitlines() or [type(e).__name__])[0]  # one line, whatever it raised
-    return f"attention=xformers needs the xformers package ({why}); {_INSTALL}"
-
-
 def _ops():
     """``xformers.ops``, or a ConfigError naming the problem and the fix."""
     try:
         return importlib.import_module("xformers.ops")
     except (ImportError, OSError, RuntimeError) as e:  # not installed, or a build for another torch
-        raise ConfigError(_missing(e)) from None
+        raise ConfigError(package_missing("xformers", "xformers", e, _INSTALL)) from None
 
 
 def unavailable() -> str | None:

@@ -130,7 +130,7 @@ class ParallelismConfig:
     # (as DeepSpeed's reduce_bucket_size bounds it); a bucket's buffer is freed once its
     # reduce-scatter completes, so peak gradient bytes are 2Φ/N plus this many buckets.
     buckets_in_flight: int = 2
-    # Count the bytes handed to each collective (comm() and summary.json). Off by default:
+    # Count the bytes handed to each collective (take_sent() and summary.json). Off by default:
     # counting hooks (and DeepSpeed's comms logger, which synchronises every collective)
     # distort step time.
     count_comm: bool = False

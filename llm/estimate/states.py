@@ -100,7 +100,7 @@ def model_states(
 
 def _expert_slices(model: nn.Module) -> list[nn.Parameter]:
     """The MoE experts' stacked weights: under expert parallelism each rank holds its slice
-    whole, outside the strategy's sharding (llm/parallel/expert_parallel.py)."""
+    whole, outside the strategy's sharding (llm/parallel/experts/)."""
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
 
 

@@ -12,7 +12,12 @@ from llm.memory.activations import (
     saved_as,
 )
 from llm.memory.peak import CATEGORIES, MODES, PeakTracker
-from llm.memory.process import cuda_peak_bytes, peak_rss_bytes, process_rss_bytes
+from llm.memory.process import (
+    cuda_peak_bytes,
+    peak_rss_bytes,
+    process_rss_bytes,
+    reset_cuda_peak,
+)
 from llm.memory.storage import (
     local_shard,
     model_state_bytes,
@@ -38,6 +43,7 @@ __all__ = [
     "optimizer_state_tensors",
     "peak_rss_bytes",
     "process_rss_bytes",
+    "reset_cuda_peak",
     "saved_as",
     "state_bytes",
     "storage_bytes",

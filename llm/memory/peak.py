@@ -49,7 +49,7 @@ import torch
 
 from llm.memory.activations import saving_to
 from llm.memory.live import CATEGORIES, STATE, LiveStorages, OpOutputs
-from llm.memory.process import cuda_peak_bytes
+from llm.memory.process import cuda_peak_bytes, reset_cuda_peak
 
 # train.memory_tracking: which steps are tracked is llm.train.probes' schedule; off tracks none.
 MODES = ("logged", "alternate", "off")
@@ -104,7 +104,7 @@ class PeakTracker:
     def step(self, tracked: bool) -> Iterator[None]:
         """One training step, tracked when ``tracked`` (never under mode off); its phases are
         named with ``phase()``, starting at forward."""
-        self._reset_cuda_peak()
+        reset_cuda_peak(self.device)
         self.last_step = None
         if tracked and self.mode != "off":
             with self._window("forward"):
@@ -123,7 +123,7 @@ class PeakTracker:
         it opened one."""
         if self.mode == "off" or self._phase is not None:
             return False
-        self._reset_cuda_peak()
+        reset_cuda_peak(self.device)
         self._open = ExitStack()
         self._open.enter_context(self._window(phase))
         return True
@@ -225,10 +225,6 @@ class PeakTracker:
         return grad
 
     # ---- the CUDA allocator's own peak -------------------------------------------------
-    def _reset_cuda_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
     def _read_cuda_peak(self) -> int | None:
         peak = cuda_peak_bytes(self.device)
         self.cuda_run_peak = _max(self.cuda_run_peak, peak)

@@ -29,3 +29,15 @@ def cuda_peak_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device)
+
+
+def reset_cuda_peak(device: torch.device, empty_cache: bool = False) -> None:
+    """Start the CUDA allocator's peak again from what is allocated now; a no-op off CUDA.
+    ``empty_cache``: first wait for the device and hand the allocator's cached blocks back,
+    so that measurements in one process start alike."""
+    if device.type != "cuda":
+        return
+    if empty_cache:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)

@@ -4,7 +4,7 @@ SwiGLU experts, whose outputs come back weighted; optional shared experts see ev
 Tokens move as (token, slot) assignments sorted by expert, so each expert's tokens are one
 contiguous run: the experts compute through one grouped matmul (``torch._grouped_mm``) or a
 loop over the runs (:class:`Experts`). Where the experts live is the ``exchange``'s business:
-:class:`LocalExchange` (every expert here) unless llm/parallel/expert_parallel.py installs one
+:class:`LocalExchange` (every expert here) unless llm/parallel/experts/install.py installs one
 that moves the runs to the ranks of their experts and back. The exchange also sums each
 expert's count over the data-parallel ranks, so the balance loss and the capacity see the
 global micro-batch, the same as one process that runs it whole.

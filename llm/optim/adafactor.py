@@ -64,7 +64,9 @@ class Adafactor(torch.optim.Optimizer):
         variance is element-wise, the piece's own."""
         state = self.state[p]
         if not state:
-            shape = self.shard_layout.of(p)[1].shape if self.shard_layout else tuple(p.shape)
+            shape = (
+                self.shard_layout.parameter_of(p)[1].shape if self.shard_layout else tuple(p.shape)
+            )
             state["step"] = torch.tensor(0.0)
             if len(shape) > 1:
                 local = p.to_local() if hasattr(p, "to_local") else p

@@ -71,7 +71,7 @@ def sharded_step(optimizer, layout: ShardLayout) -> None:
         for p in group["params"]:
             if p.grad is None:
                 continue
-            i, pl = layout.of(p)
+            i, pl = layout.parameter_of(p)
             lo, hi = pl.ranges[layout.rank]
             w, g = local(p).reshape(-1), local(p.grad).reshape(-1)
             state = optimizer.make_state(p)

@@ -41,7 +41,7 @@ def sharded_adamw8bit_class() -> type:
             config = super().get_config(gindex, pindex, group)
             if self.shard_layout is not None:
                 p = self.param_groups[gindex]["params"][pindex]
-                whole = self.shard_layout.of(p)[1].numel
+                whole = self.shard_layout.parameter_of(p)[1].numel
                 local = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
                 # bitsandbytes keeps 32-bit moments where p.numel() < min_8bit_size.
                 config["min_8bit_size"] = 0 if whole >= self.args.min_8bit_size else local + 1

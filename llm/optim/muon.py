@@ -147,7 +147,7 @@ class Muon(torch.optim.Optimizer):
         layout = self.shard_layout
         steps = next(iter(self.param_groups), {}).get("ns_steps", 5)
         wanted = [i for i, pl in enumerate(layout.params) if pl.kind == "hidden"]
-        pieces = {layout.of(p)[0]: update.reshape(-1) for p, update, _ in items}
+        pieces = {layout.parameter_of(p)[0]: update.reshape(-1) for p, update, _ in items}
         if self.distributed == "gather":
             whole = layout.gather_whole(wanted, pieces)
             results = {}
@@ -170,7 +170,7 @@ class Muon(torch.optim.Optimizer):
             }
             results = exchange.from_owners(ortho)
         for p, _, group in items:
-            i, pl = layout.of(p)
+            i, pl = layout.parameter_of(p)
             target = local(p)
             _apply(target, results[i].to(target.device).view(target.shape), group, pl.shape)
 
@@ -202,7 +202,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if self._muon is not None:
             self._muon.shard_layout = layout
 
-    def _point(self, inner: torch.optim.Optimizer, hidden: bool) -> None:
+    def _share_groups_with(self, inner: torch.optim.Optimizer, hidden: bool) -> None:
+        """Hand ``inner`` (Muon or AdamW) this optimizer's groups of its kind (the hidden
+        matrices, or the rest) and this optimizer's state, as the same objects."""
         inner.param_groups = [g for g in self.param_groups if (g.get("kind") == "hidden") == hidden]
         inner.state = self.state
 
@@ -212,10 +214,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         from one zero-lr step of AdamW alone."""
         group = self.param_groups[group_index]
         if group.get("kind") == "hidden":
-            self._point(self._muon, True)
+            self._share_groups_with(self._muon, True)
             self._muon.make_state(p)
             return
-        self._point(self._adamw, False)
+        self._share_groups_with(self._adamw, False)
         index = next(i for i, g in enumerate(self._adamw.param_groups) if g is group)
         materialize_state(self._adamw, [(p, index)])
 
@@ -227,6 +229,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 loss = closure()
         for inner, hidden in ((self._muon, True), (self._adamw, False)):
             if inner is not None:
-                self._point(inner, hidden)
+                self._share_groups_with(inner, hidden)
                 inner.step()
         return loss

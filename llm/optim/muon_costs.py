@@ -24,9 +24,9 @@ def muon_costs(
 ) -> list[dict[str, int]]:
     """Per rank: ``comm`` {kind: payload bytes} and ``ns_flops``, for one step in ``mode``."""
     hidden = [i for i, pl in enumerate(layout.params) if pl.kind == "hidden"]
-    held = [[i for i in hidden if layout.params[i].held(r)] for r in range(layout.world)]
+    held = [[i for i in hidden if layout.params[i].numel_held(r)] for r in range(layout.world)]
     flops = {i: newton_schulz_flops(layout.params[i].shape, steps) for i in hidden}
-    lengths = [sum(layout.params[i].held(r) for i in hidden) for r in range(layout.world)]
+    lengths = [sum(layout.params[i].numel_held(r) for i in hidden) for r in range(layout.world)]
     if mode == "gather":
         payload = layout.world * max(lengths, default=0) * momentum_bytes
         return [

@@ -100,7 +100,7 @@ def declared_state_bytes(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig)
     for group in optimizer.param_groups:
         for p in group["params"]:
             piece = tuple(_local(p).shape)
-            whole = layout.of(p)[1].shape if layout is not None else piece
+            whole = layout.parameter_of(p)[1].shape if layout is not None else piece
             entries.append((piece, whole, group.get("kind", "matrix")))
     return pieces_state_bytes(cfg, entries)
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from llm.comm.collectives import all_gather
+
 
 @dataclass(frozen=True)
 class ParamLayout:
@@ -38,7 +40,7 @@ class ParamLayout:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def held(self, rank: int) -> int:
+    def numel_held(self, rank: int) -> int:
         """How many of its elements ``rank`` holds."""
         lo, hi = self.ranges[rank]
         return hi - lo
@@ -57,14 +59,14 @@ class ShardLayout:
     def world(self) -> int:
         return len(self.params[0].ranges) if self.params else 1
 
-    def of(self, tensor: torch.Tensor) -> tuple[int, ParamLayout]:
+    def parameter_of(self, tensor: torch.Tensor) -> tuple[int, ParamLayout]:
         """(position, layout) of the parameter ``tensor`` (an optimizer tensor) is part of."""
         i = self.index[id(tensor)]
         return i, self.params[i]
 
     def start(self, tensor: torch.Tensor) -> int:
         """Where ``tensor``'s elements start in its flattened parameter."""
-        return self.of(tensor)[1].ranges[self.rank][0]
+        return self.parameter_of(tensor)[1].ranges[self.rank][0]
 
     def _counted(self, kind: str, payload: torch.Tensor) -> None:
         if self.count is not None:
@@ -82,20 +84,20 @@ class ShardLayout:
         """Whole parameters ``wanted`` (positions), flat, on every rank: ``local[i]`` is this
         rank's piece of parameter i (flat, its range's length). One all-gather of every
         rank's pieces, each rank's send padded to the longest."""
-        lengths = [sum(self.params[i].held(r) for i in wanted) for r in range(self.world)]
+        lengths = [sum(self.params[i].numel_held(r) for i in wanted) for r in range(self.world)]
         width = max(lengths, default=0)
         dtype = next((t.dtype for t in local.values()), torch.float32)
         send = torch.zeros(width, dtype=dtype, device=self.device)
         pos = 0
         for i in wanted:
-            n = self.params[i].held(self.rank)
+            n = self.params[i].numel_held(self.rank)
             if n:
                 send[pos : pos + n] = local[i].reshape(-1)
                 pos += n
         out = torch.empty(width * self.world, dtype=dtype, device=self.device)
         self._counted("optim.all_gather", out)
         if self.world > 1:
-            _all_gather(out, send, group=self.group)
+            all_gather(out, send, group=self.group)
         else:
             out.copy_(send)
         whole = {
@@ -111,9 +113,6 @@ class ShardLayout:
         return whole
 
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class OwnerExchange:
     """Whole matrices to their owners and results back, for the parameters ``wanted``:
     ``owners[i]`` is the rank that computes parameter i."""
@@ -121,7 +120,7 @@ class OwnerExchange:
     def __init__(self, layout: ShardLayout, wanted: Sequence[int], owners: dict[int, int]):
         self.layout, self.wanted, self.owners = layout, list(wanted), owners
         ranks = range(layout.world)
-        spans = lambda i, r: layout.params[i].held(r)  # noqa: E731
+        spans = lambda i, r: layout.params[i].numel_held(r)  # noqa: E731
         me = layout.rank
         # What this rank sends to each rank: its pieces of the matrices that rank owns.
         self.send_sizes = [sum(spans(i, me) for i in self.wanted if owners[i] == d) for d in ranks]
@@ -138,7 +137,7 @@ class OwnerExchange:
                 local[i].reshape(-1).to(layout.device)
                 for d in range(layout.world)
                 for i in self.wanted
-                if self.owners[i] == d and layout.params[i].held(me)
+                if self.owners[i] == d and layout.params[i].numel_held(me)
             ]
             or [torch.zeros(0, dtype=dtype, device=layout.device)]
         )
@@ -165,7 +164,7 @@ class OwnerExchange:
                 results[i][slice(*layout.params[i].ranges[s])].to(layout.device)
                 for s in range(layout.world)
                 for i in self.mine
-                if layout.params[i].held(s)
+                if layout.params[i].numel_held(s)
             ]
             or [torch.zeros(0, dtype=dtype, device=layout.device)]
         )
@@ -173,7 +172,7 @@ class OwnerExchange:
         pieces, pos = {}, 0
         for d in range(layout.world):
             for i in self.wanted:
-                n = layout.params[i].held(me)
+                n = layout.params[i].numel_held(me)
                 if self.owners[i] == d and n:
                     pieces[i] = received[pos : pos + n]
                     pos += n

@@ -20,11 +20,9 @@ counted without patching ``torch.distributed``:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -34,30 +32,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# The collectives under the names this torch has, as llm/parallel/zero/collectives.py picks
-# them (that package imports this module's importers, so not imported here): torch 2.13's
-# *_single names, which 2.11 and 2.12 lack.
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CommCounter:
-    """Payload bytes per collective kind since the last ``take()``, added while ``on``."""
-
-    def __init__(self, on: bool = True) -> None:
-        self._sent: Counter[str] = Counter()
-        self.on = on
-
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
-        if self.on:
-            self._sent[kind] += tensor.numel() * tensor.element_size()
-
-    def take(self) -> dict[str, int]:
-        sent, self._sent = dict(self._sent), Counter()
-        return sent
-
-    def all_reduce_hook(self, buffer: torch.Tensor) -> None:
-        self.add("all_reduce", buffer)
+from llm.comm.collectives import all_gather, reduce_scatter
+from llm.comm.sent import CommCounter
 
 
 def _empty(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -134,12 +110,12 @@ class MeshCommCounter(TorchDispatchMode):
             dim = self._dim_of.get(group, "other")
             tensor = args[0]
             if kind == "all_gather":  # the output: group size times the input
-                self.counter._sent[f"{dim}.{kind}"] += (
-                    tensor.numel() * tensor.element_size() * args[1]
+                self.counter.add_bytes(
+                    f"{dim}.{kind}", tensor.numel() * tensor.element_size() * args[1]
                 )
             else:
                 self.counter.add(f"{dim}.{kind}", tensor)
         return func(*args, **(kwargs or {}))
 
-    def take(self) -> dict[str, int]:
-        return self.counter.take()
+    def take_sent(self) -> dict[str, int]:
+        return self.counter.take_sent()

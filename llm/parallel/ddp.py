@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from llm.comm.sent import CommCounter
 from llm.models import WeightSource, materialize_from
+from llm.parallel.experts.grads import reduce_expert_grads
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
 
@@ -32,15 +34,15 @@ class DDPStrategy(SingleStrategy):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._sent: Counter[str] = Counter()
+        self._sent = CommCounter()
 
     def wrap(self, model: torch.nn.Module, weights: WeightSource | None = None) -> torch.nn.Module:
         if weights is not None:  # a replica: the whole model on every rank
             materialize_from(model, weights, self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        if self.experts:  # differ between ep ranks: reduced over their edp ranks instead
+        if self.expert_shards:  # differ between ep ranks: reduced over their edp ranks instead
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                model, list(self.experts.params)
+                model, list(self.expert_shards.params)
             )
         ddp = DistributedDataParallel(
             model,
@@ -63,7 +65,7 @@ class DDPStrategy(SingleStrategy):
         payload.div_(dist.get_world_size(group))
         if self.counting:
             # The payload each rank hands to the all-reduce (ring traffic is 2(N-1)/N of it).
-            self._sent["all_reduce"] += payload.numel() * payload.element_size()
+            self._sent.add("all_reduce", payload)
         fut = dist.all_reduce(payload, group=group, async_op=True).get_future()
         if payload is buffer:
             return fut.then(lambda done: done.value()[0])
@@ -73,11 +75,11 @@ class DDPStrategy(SingleStrategy):
     def micro_batch(self, sync: bool):
         with super().micro_batch(sync) if sync else self.model.no_sync():
             yield
-        if sync and self.experts:
-            self.experts.reduce_grads(count=self.counting)
+        if sync and self.expert_shards:
+            reduce_expert_grads(self.expert_shards, count=self.counting)
 
-    def comm(self) -> dict[str, int]:
-        sent, self._sent = self._sent, Counter()
-        if self.experts:
-            sent.update(self.experts.take_sent())
+    def take_sent(self) -> dict[str, int]:
+        sent = Counter(self._sent.take_sent())
+        if self.expert_shards:
+            sent.update(self.expert_shards.sent.take_sent())
         return dict(sent)

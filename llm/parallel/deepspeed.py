@@ -13,7 +13,7 @@ The engine is built from a ds_config generated from our groups (or a user's file
   ``gradient_clipping`` (train.grad_clip, fixed when the engine is built).
 - the optimizer our scheduler drives is the torch optimizer inside the engine, whose param
   groups DeepSpeed steps: the lr our LambdaLR writes there is the lr DeepSpeed applies.
-- comm() reads DeepSpeed's comms logger, enabled with parallelism.count_comm only (it
+- take_sent() reads DeepSpeed's comms logger, enabled with parallelism.count_comm only (it
   synchronises the device after every collective); {} otherwise.
 - state_tensors() names what the engine holds now (working params and ZeRO-3 partitions,
   module and master .grad and ZeRO's gradient partitions, fp32 master partitions and
@@ -319,7 +319,7 @@ class DeepSpeedStrategy:
         time it); only ever on with parallelism.count_comm."""
         ds_comm.comms_logger.enabled = on and self.cfg.count_comm
 
-    def comm(self) -> dict[str, int]:
+    def take_sent(self) -> dict[str, int]:
         """Payload bytes per collective kind since the last call: the full-size tensor each
         collective operates on, per rank (an all-gather counts its output, a reduce-scatter
         its input), as DDP's all-reduce counts its bucket. {} unless parallelism.count_comm."""

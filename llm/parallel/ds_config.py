@@ -51,7 +51,7 @@ QUIET = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
 
 
 def comms_logger(count_comm: bool) -> dict:
-    """DeepSpeed's comms logger counts collectives for comm(), and synchronises the device
+    """DeepSpeed's comms logger counts collectives for take_sent(), and synchronises the device
     after every one of them to time it: on only with parallelism.count_comm."""
     return {"enabled": count_comm, "verbose": False, "prof_all": True, "debug": False}
 
@@ -283,7 +283,7 @@ def build_ds_config(
     # a file that leaves these out gets ours, not DeepSpeed's defaults.
     for key in (*REQUIRED, *QUIET):
         filled.setdefault(key, ours[key])
-    # comm() reads the comms logger: whether it runs (and syncs) is parallelism.count_comm's.
+    # take_sent() reads the comms logger: whether it runs (and syncs) is parallelism.count_comm's.
     filled["comms_logger"] = ours["comms_logger"]
     filled.setdefault("zero_optimization", {}).setdefault("stage", cfg.parallelism.zero_stage)
     if "optimizer" in filled and not on_gpu:

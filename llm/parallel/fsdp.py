@@ -48,12 +48,14 @@ from torch.distributed.tensor import DTensor, Shard
 # FSDP2's placement on dp when tensor parallel split dim 0 too; torch exports it nowhere else.
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from llm.comm.sent import CommCounter
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors
 from llm.models import WeightSource, model_blocks
 from llm.optim import OPTIMIZERS, ParamLayout, ShardLayout
-from llm.parallel.comm_counter import CommCounter, count_fsdp_collectives
+from llm.parallel.comm_counter import count_fsdp_collectives
+from llm.parallel.experts.grads import reduce_expert_grads
 from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
 from llm.parallel.single import SingleStrategy
@@ -112,7 +114,9 @@ class FSDPStrategy(SingleStrategy):
             "offload_policy": self._offload(),
             # Expert slices differ between ep ranks: FSDP leaves them whole and plain, and
             # micro_batch reduces their gradients over their edp ranks.
-            "ignored_params": set(self.experts.params.values()) if self.experts else None,
+            "ignored_params": (
+                set(self.expert_shards.params.values()) if self.expert_shards else None
+            ),
         }
         # The roots: the model, or under pipeline parallel each of this rank's stages (the
         # modules a schedule runs, each with its blocks).
@@ -143,7 +147,7 @@ class FSDPStrategy(SingleStrategy):
         """Allocate the sharded model (each rank only its shards) and fill every local
         shard from the rows it covers; nothing unsharded is ever allocated."""
         # to_empty reallocates the expert slices too (materialised already): kept aside.
-        held = self.experts.params if self.experts else {}
+        held = self.expert_shards.params if self.expert_shards else {}
         experts = {name: param.detach().clone() for name, param in held.items()}
         for root in roots:  # each FSDP root re-registers its shards after to_empty
             # With parameter offload FSDP2 keeps the shards in host memory.
@@ -213,16 +217,16 @@ class FSDPStrategy(SingleStrategy):
         # unsharded gradients, reduced together at the micro-batch that syncs.
         self.model.set_requires_gradient_sync(sync)
         yield
-        if sync and self.experts:
-            self.experts.reduce_grads(count=self.counting)
+        if sync and self.expert_shards:
+            reduce_expert_grads(self.expert_shards, count=self.counting)
 
     def count_comm(self, on: bool) -> None:
         super().count_comm(on)
         self.counter.on = on  # FSDP2's collectives and the shard layout's go through it
 
-    def comm(self) -> dict[str, int]:
-        experts = self.experts.take_sent() if self.experts else {}
-        return self.counter.take() | self.tp_comm() | experts
+    def take_sent(self) -> dict[str, int]:
+        experts = self.expert_shards.sent.take_sent() if self.expert_shards else {}
+        return self.counter.take_sent() | self.take_mesh_sent() | experts
 
 
 def _refuse_straddled_blocks(model: nn.Module, layout: ShardLayout, cfg: OptimizerConfig) -> None:

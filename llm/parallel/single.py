@@ -14,6 +14,8 @@ from llm.config import OptimizerConfig
 from llm.memory import module_state_tensors, state_bytes
 from llm.models import WeightSource, materialize_from
 from llm.optim import GradientPass, build_optimizer, materialize_state, wrap_optimizer
+from llm.parallel.experts.checkpoint import from_checkpoint as experts_from_checkpoint
+from llm.parallel.experts.checkpoint import to_checkpoint as experts_to_checkpoint
 from llm.parallel.pipeline import part_weights
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
 from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strategy
@@ -41,7 +43,7 @@ class SingleStrategy(StrategyBase):
         tp = self.dims.tp_size
         pp = self.schedule.grad_copies if self.schedule is not None else lambda _: 1
         dp = self.dp_replicas
-        experts = self.experts
+        experts = self.expert_shards
         return [
             (experts.replicas() if experts and experts.holds(p) else dp) * tp_copies(p, tp) * pp(p)
             for p in self._params_with_grads()
@@ -124,7 +126,7 @@ class SingleStrategy(StrategyBase):
         if self.schedule is not None:
             optim_sd = self.schedule.checkpoint_names(optim_sd, whole=True)
         state = {"model": model_sd, "optimizer": optim_sd, "loss_scaler": self.scaler.state_dict()}
-        return self.experts.to_checkpoint(state) if self.experts else state
+        return experts_to_checkpoint(self.expert_shards, state) if self.expert_shards else state
 
     @torch.no_grad()
     def _create_optimizer_state(self) -> None:
@@ -141,8 +143,8 @@ class SingleStrategy(StrategyBase):
                     materialize_state(self.optimizer, [(param, gi)])
 
     def load_state_dict(self, state: dict) -> None:
-        if self.experts:
-            state = self.experts.from_checkpoint(state)
+        if self.expert_shards:
+            state = experts_from_checkpoint(self.expert_shards, state)
         optim_sd = state["optimizer"]
         if self.schedule is not None:
             optim_sd = self.schedule.checkpoint_names(optim_sd, whole=False)
@@ -170,5 +172,5 @@ class SingleStrategy(StrategyBase):
     def memory(self) -> dict[str, int]:
         return state_bytes(self.state_tensors())
 
-    def comm(self) -> dict[str, int]:
-        return self.tp_comm()
+    def take_sent(self) -> dict[str, int]:
+        return self.take_mesh_sent()

@@ -5,7 +5,7 @@ produced and synchronised (forward and ``backward(loss)`` run inside ``micro_bat
 with sync False inside gradient accumulation), how a step is taken (clipping included),
 what its checkpoint state is, and what it holds and sends (``state_tensors()``: the params,
 grads and optimizer states this rank holds now, which the peak tracker classifies by;
-``memory()``: their bytes; ``comm()``).
+``memory()``: their bytes; ``take_sent()``, llm/comm/sent.py's protocol).
 
 ``wrap(model, weights)``: when ``weights`` (a llm.models WeightSource) is given, the model
 arrives on the meta device and the strategy shards it first, then allocates and fills only
@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from llm.comm.sent import SentBytes
 from llm.config import Config, OptimizerConfig, ParallelismConfig
 from llm.errors import ConfigError
 from llm.models import WeightSource
@@ -46,7 +47,7 @@ from llm.optim import (
     gradient_pass,
 )
 from llm.parallel.comm_counter import MeshCommCounter
-from llm.parallel.expert_parallel import ExpertShards
+from llm.parallel.experts.shards import ExpertShards
 from llm.parallel.mesh import MESH_DIMS, ParallelDims
 from llm.parallel.pipeline import GradSync, Pipeline, PipelinePart
 from llm.parallel.step import StepResult
@@ -54,7 +55,7 @@ from llm.parallel.tensor_parallel import loss_parallel
 from llm.precision import LossScaler, PrecisionPolicy, disabled_loss_scaler
 
 
-class Strategy(Protocol):
+class Strategy(SentBytes, Protocol):
     name: str
     dims: ParallelDims
     schedule: Pipeline | None
@@ -89,8 +90,6 @@ class Strategy(Protocol):
 
     def measure(self, on: bool) -> None: ...
 
-    def comm(self) -> dict[str, int]: ...
-
 
 class StrategyBase:
     """What every strategy is built with (``build_strategy``'s arguments) and holds once it
@@ -121,8 +120,8 @@ class StrategyBase:
         # (build_strategy does, from the run's optimizer).
         self.quant_block = 1
         # Expert parallel (parallelism.ep_size > 1): the model's expert slices, set before
-        # wrap (llm/parallel/expert_parallel.py; ddp takes them, the others refuse ep).
-        self.experts: ExpertShards | None = None
+        # wrap (llm/parallel/experts/; ddp takes them, the others refuse ep).
+        self.expert_shards: ExpertShards | None = None
 
     def _attach_pipeline(self, model: nn.Module, grad_sync: GradSync | None = None) -> None:
         """Under pipeline parallel (``model`` is this rank's PipelinePart, materialised and
@@ -143,7 +142,7 @@ class StrategyBase:
         """Where the forward, the loss and (``training``) the backward run: under tensor
         parallel the logits stay vocab-sharded and cross-entropy runs on the shards
         (``loss_parallel``), and on a counted step (``count_comm``) a training step's DTensor
-        collectives are counted by mesh dimension (``tp_comm()``)."""
+        collectives are counted by mesh dimension (``take_mesh_sent()``)."""
         stack = contextlib.ExitStack()
         if self.dims.tp_size > 1:
             stack.enter_context(loss_parallel())
@@ -165,12 +164,12 @@ class StrategyBase:
         Trainer reads; set per step next to ``count_comm``. Only a strategy that samples
         memory during the step itself (DeepSpeed) needs to know."""
 
-    def tp_comm(self) -> dict[str, int]:
+    def take_mesh_sent(self) -> dict[str, int]:
         """Bytes of the DTensor collectives counted since the last call (tensor parallel),
         and of the sends between pipeline stages (``pp.send_activations``,
         ``pp.send_gradients``)."""
-        counted = {} if self._mesh_counter is None else self._mesh_counter.take()
-        return counted | ({} if self.schedule is None else self.schedule.take_comm())
+        counted = {} if self._mesh_counter is None else self._mesh_counter.take_sent()
+        return counted | ({} if self.schedule is None else self.schedule.take_sent())
 
     def gradient_pass(self, step: int) -> GradientPass | None:
         """The optimizer's extra gradient pass when step ``step`` (1-based) needs it, else

@@ -3,6 +3,7 @@ is measured in llm.memory."""
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -79,6 +80,10 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak: float | None) -> fl
     if peak is None or peak <= 0:
         return None
     return tokens_per_sec * flops_per_token / peak
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: exp of a diverged loss overflows
 
 
 @dataclass(frozen=True)

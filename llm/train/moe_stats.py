@@ -68,7 +68,7 @@ class MoEStats:
         }
         self._reset()
 
-    def comm(self) -> dict[str, int]:
+    def take_sent(self) -> dict[str, int]:
         """Bytes the layers' exchanges sent since the last call (counts, all-to-all)."""
         sent: dict[str, int] = {}
         for layer in self.layers:

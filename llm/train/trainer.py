@@ -15,9 +15,8 @@ A step either probes (runs the memory instruments) or is timed, never both
 
 from __future__ import annotations
 
-import math
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from llm.config import Config
 from llm.data import IGNORE, Batch
 from llm.errors import TrainingError
-from llm.memory import OUTSIDE, ActivationMemoryCounter, PeakTracker, find_layers, peak_rss_bytes
+from llm.memory import OUTSIDE, ActivationMemoryCounter, PeakTracker, find_layers
 from llm.optim import warmup_note
 from llm.parallel.dist import gather_object
 from llm.parallel.step import StepResult, settle_skip
@@ -34,31 +33,15 @@ from llm.parallel.tensor_parallel import local_loss
 from llm.recompute import RecomputePolicy
 from llm.recompute.policies import NoRecompute
 from llm.train.checkpoint import Checkpointer
+from llm.train.end_report import comm_summary, memory_summary, run_summary
 from llm.train.fp8_watch import Fp8Watch
 from llm.train.loss import HeadLoss, head_loss
-from llm.train.metrics import StepTimer, mfu
+from llm.train.metrics import StepTimer, mfu, perplexity
 from llm.train.moe_stats import MoEStats
 from llm.train.monitor import Monitor
 from llm.train.probes import ProbeSchedule
 from llm.train.stop import StopRequested, stop_guard
-from llm.train.timed_steps import TimedSteps
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    tokens_seen: int = 0  # target tokens (padding excluded) of every global batch so far
-    last_loss: float | None = None
-    last_val_loss: float | None = None
-    timed: TimedSteps = field(default_factory=TimedSteps)  # the steps that ran no instrument
-    probe_steps: int = 0  # this invocation's steps that ran the instruments
-    comm_per_step: dict[str, int] = field(default_factory=dict)
-    comm_steps: int = 0  # the probe steps whose bytes comm_per_step sums
-    skipped_steps: int = 0  # overflowing steps the strategy did not apply
-
-
-def _total(peak: dict | None) -> int | None:
-    return None if peak is None else peak["total"]
+from llm.train.train_state import TrainState
 
 
 def _activation_metrics(counter: ActivationMemoryCounter) -> dict:
@@ -80,10 +63,6 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return local_loss(loss)  # tensor parallel: a DTensor, equal on every tp rank
 
 
-def _perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))  # capped: exp of a diverged loss overflows
-
-
 def _on_device(value, device: torch.device) -> torch.Tensor:
     """A 0-d float64 tensor on ``device``; a number is filled in there (a host-to-device copy
     of it would wait for the stream)."""
@@ -102,7 +81,7 @@ def _all_reduce_sum(values: list, device: torch.device) -> torch.Tensor:
 
 
 @dataclass
-class _StepOnDevice:
+class _UnreadStep:
     """What one step leaves for ``_read_pending``, unread."""
 
     step: int
@@ -155,7 +134,7 @@ class Trainer:
         # world-wide sums of token counts and of losses count every batch this many times.
         self.batch_copies = strategy.dims.batch_copies
         self.loss_copies = strategy.dims.loss_copies
-        self._pending: list[_StepOnDevice] = []
+        self._pending: list[_UnreadStep] = []
         # llm.run hands over the tracker that measured start-up, so the run has one.
         self.tracker = tracker or PeakTracker(device, cfg.train.memory_tracking)
         self.tracker.watch(strategy.state_tensors)
@@ -255,7 +234,7 @@ class Trainer:
             copy(batch.input_ids), copy(batch.targets), docs if docs is None else copy(docs)
         )
 
-    def train_step(self, timer: StepTimer, stop: StopRequested) -> _StepOnDevice:
+    def train_step(self, timer: StepTimer, stop: StopRequested) -> _UnreadStep:
         """One optimizer step over grad_accum_steps micro-batches; what it leaves on the
         device is read later (``_read_pending``)."""
         with timer.data():
@@ -283,7 +262,7 @@ class Trainer:
                 # Sampled while gradients exist: what a rank holds at its peak of model state.
                 self.model_state_bytes = self.strategy.memory()
             self.strategy.zero_grad()
-        return _StepOnDevice(step, loss_sum, counts[0], counts[1], result, probe)
+        return _UnreadStep(step, loss_sum, counts[0], counts[1], result, probe)
 
     def _step_on(
         self, batches: list, scale: torch.Tensor, count: bool
@@ -513,18 +492,18 @@ class Trainer:
         self.state.last_val_loss = val_loss
         self.logger.log(
             self.state.step,
-            {"val_loss": val_loss, "val_ppl": _perplexity(val_loss)},
+            {"val_loss": val_loss, "val_ppl": perplexity(val_loss)},
         )
 
     def _last_tps(self) -> float | None:
         return self.state.timed.last_tokens_per_sec()
 
-    def _account(self, step: _StepOnDevice) -> None:
+    def _account(self, step: _UnreadStep) -> None:
         """What a step leaves on the host: bytes sent (whether it was skipped is read with
         its other values, ``_read_pending``). Bytes are counted on probe steps
         (parallelism.count_comm): a timed step counts nothing, and the counters are drained
         every step so that each probe holds its own step's bytes."""
-        sent = self.strategy.comm() | self.moe.comm()
+        sent = self.strategy.take_sent() | self.moe.take_sent()
         if step.probe:
             for kind, n in sent.items():
                 self.state.comm_per_step[kind] = self.state.comm_per_step.get(kind, 0) + n
@@ -563,71 +542,18 @@ class Trainer:
             out["peak_memory_bytes"] = max(peak["total"] for peak in out["memory_peak"])
         return out
 
-    def memory_summary(self) -> dict:
-        """This rank's peaks over the run; llm.run gathers them from every rank."""
-        t = self.tracker
-        on_cuda = self.device.type == "cuda"
-        phase_max = max((p["total"] for p in t.by_phase.values()), default=None)
-        return {
-            "memory_peak": t.best_step,
-            "memory_peak_by_phase": t.by_phase,
-            "peak_memory_bytes": t.cuda_step_peak if on_cuda else _total(t.best_step),
-            "max_peak_memory_bytes": t.cuda_run_peak if on_cuda else phase_max,
-            "cuda_max_allocated_bytes": t.cuda_step_peak,
-            "process_peak_rss_bytes": peak_rss_bytes(),
-        }
-
     def summary(self, stopped: bool) -> dict:
-        # Steady-state throughput of the timed steps: after the warm-up steps where any are.
-        timed = self.state.timed
-        median_tps = timed.median_tokens_per_sec()
-        steps = max(self.state.comm_steps, 1)
-        return {
-            "steps": self.state.step,
-            "stopped_early": stopped,
-            # This rank's signal (SIGINT, SIGTERM) when one stopped the run; a rank that only
-            # heard of the stop through the vote has None.
-            "stop_signal": self.stop_signal,
-            "final_train_loss": self.state.last_loss,
-            "final_val_loss": self.state.last_val_loss,
-            "final_val_ppl": (
-                _perplexity(self.state.last_val_loss)
-                if self.state.last_val_loss is not None
-                else None
+        """The end-of-run report (llm/train/end_report.py)."""
+        return run_summary(
+            self.state,
+            stopped=stopped,
+            stop_signal=self.stop_signal,
+            mfu=self._mfu(self.state.timed.median_tokens_per_sec()),
+            memory=memory_summary(self.tracker, self.device),
+            activations=self.activations,
+            model_state_bytes=self.model_state_bytes,
+            comm=comm_summary(
+                self.state, self.cfg.parallelism.count_comm, self.strategy.dims.world_size
             ),
-            "tokens_seen": self.state.tokens_seen,
-            "skipped_steps": self.state.skipped_steps,
-            "tokens_per_sec": median_tps,
-            **self._mfu(median_tps),
-            "data_wait_share": timed.median_data_wait_share(),
-            **self._timing_counts(),
-            **self.memory_summary(),
-            **self.activations,
-            "model_state_bytes": self.model_state_bytes,
-            **self._comm_summary(steps),
-            **self.fp8.summary(),
-        }
-
-    def _timing_counts(self) -> dict:
-        """How many steps the timings come from, and why there are none where that is so."""
-        timed = len(self.state.timed.steps)
-        out = {"timed_steps": timed, "probe_steps": self.state.probe_steps}
-        if not timed:
-            out["tokens_per_sec_note"] = (
-                "no timed step: every step ran an instrument (precision.fp8_stats_every=1, "
-                "or too few steps); timings come only from steps that run none"
-            )
-        return out
-
-    def _comm_summary(self, steps: int) -> dict:
-        """Bytes per collective kind per step; where nothing was counted because counting
-        is off (parallelism.count_comm=false) on a run that communicates, None and why,
-        never an empty dict that reads as "no communication"."""
-        sent = {k: v / steps for k, v in self.state.comm_per_step.items()}
-        if sent or self.cfg.parallelism.count_comm or self.strategy.dims.world_size == 1:
-            return {"comm_bytes_per_step": sent}
-        return {
-            "comm_bytes_per_step": None,
-            "comm_bytes_note": "not counted: parallelism.count_comm=false (counting hooks "
-            "distort step time); set it true to count the bytes of each collective",
-        }
+            fp8=self.fp8.summary(),
+        )

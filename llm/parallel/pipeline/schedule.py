@@ -196,7 +196,7 @@ class Pipeline:
 
         return counted
 
-    def take_comm(self) -> dict[str, int]:
+    def take_sent(self) -> dict[str, int]:
         """Bytes this rank sent to other stages since the last call (with count_comm)."""
         sent, self._sent = self._sent, {}
         return sent

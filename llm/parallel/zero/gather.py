@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llm.comm.collectives import all_gather
 from llm.parallel.zero.buffers import BucketBuffers
-from llm.parallel.zero.collectives import all_gather
 
 
 class UnitGatherer:

@@ -148,7 +148,7 @@ def model_buckets(
     estimate is this layout. Stage 3's gather units are the blocks in order, then the root
     (everything outside ``model.layers``); stages 1-2 keep model order in one unit.
     ``alone``, ``align``: build_buckets'. ``skip``: parameters no bucket holds (expert
-    slices, which differ between ranks: llm/parallel/expert_parallel.py)."""
+    slices, which differ between ranks: llm/parallel/experts/)."""
     blocks = model_blocks(model)
     root = len(blocks) if stage == 3 else 0
     unit_of = {}

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from llm.comm.collectives import reduce_scatter
 from llm.parallel.zero.buffers import BucketBuffers
-from llm.parallel.zero.collectives import reduce_scatter
 from llm.parallel.zero.layout import Slot
 
 

@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from llm.comm.collectives import all_gather
 from llm.models import local_region, param_name
 from llm.optim import materialize_state
+from llm.parallel.experts.checkpoint import as_dtensor, optimizer_entry
 from llm.parallel.flat_shards import FlatShard, flat_shard
 from llm.parallel.tensor_parallel import tp_copies
-from llm.parallel.zero.collectives import all_gather
 
 
 def ensure_optimizer_state(strategy) -> None:
@@ -145,7 +146,7 @@ def checkpoint_state(strategy) -> dict:
                 | {k: state[k] for k in kinds["whole"] if piece}
                 | {k: _scalar(v) for k, v in kinds["scalars"].items()},
             )
-    if strategy.experts:
+    if strategy.expert_shards:
         _expert_state(strategy, model_sd, optim_state, group_names)
     for name, value in strategy.model.state_dict(keep_vars=True).items():
         name = param_name(name)
@@ -165,17 +166,17 @@ def checkpoint_state(strategy) -> dict:
 
 def _expert_state(strategy, model_sd: dict, optim_state: dict, group_names: list) -> None:
     """Expert slices, outside the buckets: each whole on its rank, saved as a DTensor on the
-    (edp, ep) mesh with its moments (llm/parallel/expert_parallel.py), so DCP reshards them
+    (edp, ep) mesh with its moments (llm/parallel/experts/checkpoint.py), so DCP reshards them
     to any ep size or one process. Their optimizer state is made first, like the pieces'."""
-    experts, optimizer = strategy.experts, strategy.optimizer
+    experts, optimizer = strategy.expert_shards, strategy.optimizer
     group_of = {id(t): i for i, g in enumerate(optimizer.param_groups) for t in g["params"]}
     params = experts.params
     missing = [(p, group_of[id(p)]) for p in params.values() if p not in optimizer.state]
     if missing:
         materialize_state(optimizer, missing)
     for name, param in params.items():
-        model_sd[name] = experts.as_dtensor(param.detach())
-        optim_state[name] = experts.state_entry(optimizer.state[param], param)
+        model_sd[name] = as_dtensor(experts, param.detach())
+        optim_state[name] = optimizer_entry(experts, optimizer.state[param], param)
         group_names[group_of[id(param)]].append(name)
 
 

@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from llm.comm.collectives import all_gather
+from llm.comm.sent import CommCounter
 from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors, state_bytes
@@ -56,6 +58,7 @@ from llm.optim import (
     optimizer_param_groups,
     wrap_optimizer,
 )
+from llm.parallel.experts.grads import reduce_expert_grads
 from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
@@ -63,7 +66,6 @@ from llm.parallel.strategy import StrategyBase, refuse_optimizer, register_strat
 from llm.parallel.tensor_parallel import tp_copies
 from llm.parallel.zero import state
 from llm.parallel.zero.buffers import BucketBuffers
-from llm.parallel.zero.collectives import all_gather
 from llm.parallel.zero.gather import UnitGatherer
 from llm.parallel.zero.layout import model_buckets
 from llm.parallel.zero.reducer import GradientReducer
@@ -87,7 +89,7 @@ class ZeroStrategy(StrategyBase):
         self._sync = True
         self.piece_params: list = []  # (Piece, the tensor the optimizer steps), in order
         self.stage_group: dist.ProcessGroup | None = None
-        self._sent: Counter[str] = Counter()
+        self._sent = CommCounter()
 
     # ---- set-up -----------------------------------------------------------------------
     def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
@@ -145,7 +147,7 @@ class ZeroStrategy(StrategyBase):
             self.world,
             alone=tied,
             align=self.quant_block,
-            skip=frozenset(self.experts.params.values()) if self.experts else frozenset(),
+            skip=frozenset(self.expert_shards.params.values() if self.expert_shards else ()),
         )
         master_device = torch.device("cpu") if self.cfg.offload_optimizer else self.device
         return [
@@ -190,7 +192,7 @@ class ZeroStrategy(StrategyBase):
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 groups[group_of[piece.slot.param]]["params"].append(tensor)
                 self.piece_params.append((piece, tensor))
-        for param in self.experts.params.values() if self.experts else ():
+        for param in self.expert_shards.params.values() if self.expert_shards else ():
             groups[group_of[param]]["params"].append(param)  # whole: stepped where held
         # A rank's slice may miss a group (one bucket's slice holding only matrices, say):
         # torch optimizers step empty groups as no-ops, and every rank keeps every group so
@@ -202,7 +204,8 @@ class ZeroStrategy(StrategyBase):
         # parameter (slot) each of the optimizer's tensors, in param_groups order, is part of.
         slots = {id(s): i for i, s in enumerate(s for b in self._trainable for s in b.bucket.slots)}
         piece_of = {id(tensor): piece for piece, tensor in self.piece_params}
-        if self.experts:  # elementwise optimizers only (llm/validate.py): no whole-tensor sums
+        # Expert shards: elementwise optimizers only (llm/validate/), no whole-tensor sums.
+        if self.expert_shards:
             return self.optimizer
         self.optimizer.whole_param_squares = functools.partial(
             summed_squares,
@@ -256,8 +259,8 @@ class ZeroStrategy(StrategyBase):
         else:
             if self._sync:
                 self.reducer.finish()
-            if sync and self.experts:
-                self.experts.reduce_grads(count=self.counting)
+            if sync and self.expert_shards:
+                reduce_expert_grads(self.expert_shards, count=self.counting)
         finally:
             if release and self.gatherer is not None:
                 self.gatherer.free_all()
@@ -293,11 +296,11 @@ class ZeroStrategy(StrategyBase):
         copies count once."""
         if self.dims.tp_size == 1 and self.schedule is None:
             shards = [buf.grad_shard for buf in self._trainable]
-            if not self.experts:
+            if not self.expert_shards:
                 return shards, 1, self.group
             # Expert slices: whole on each rank of their edp group, not sharded.
-            grads = [p.grad for p in self.experts.params.values() if p.grad is not None]
-            copies = [1] * len(shards) + [self.experts.replicas()] * len(grads)
+            grads = [p.grad for p in self.expert_shards.params.values() if p.grad is not None]
+            copies = [1] * len(shards) + [self.expert_shards.replicas()] * len(grads)
             return shards + grads, copies, self.group
         pp = self.schedule.grad_copies if self.schedule is not None else lambda _: 1
         grads, copies = [], []
@@ -340,7 +343,7 @@ class ZeroStrategy(StrategyBase):
             for piece in buf.pieces:
                 if not torch.isfinite(buf.grad_shard[piece.start - lo : piece.stop - lo]).all():
                     names.append(piece.slot.name)
-        for name, param in self.experts.params.items() if self.experts else ():
+        for name, param in self.expert_shards.params.items() if self.expert_shards else ():
             if param.grad is not None and not torch.isfinite(param.grad).all():
                 names.append(name)
         return names
@@ -385,21 +388,21 @@ class ZeroStrategy(StrategyBase):
                 buf.grad_full.zero_()
         for _, tensor in self.piece_params:
             tensor.grad = None
-        for param in self.experts.params.values() if self.experts else ():
+        for param in self.expert_shards.params.values() if self.expert_shards else ():
             param.grad = None
 
     # ---- accounting and checkpoints ---------------------------------------------------
     def _count(self, kind: str, payload: torch.Tensor) -> None:
         if self.counting:  # probe steps of a run with parallelism.count_comm
-            self._sent[kind] += payload.numel() * payload.element_size()
+            self._sent.add(kind, payload)
 
-    def comm(self) -> dict[str, int]:
+    def take_sent(self) -> dict[str, int]:
         """Payload bytes of our collectives on the dp group, and under tensor parallel
         DTensor's on the mesh by dimension (``tp.*``)."""
-        sent, self._sent = self._sent, Counter()
-        if self.experts:
-            sent.update(self.experts.take_sent())
-        return dict(sent) | self.tp_comm()
+        sent = Counter(self._sent.take_sent())
+        if self.expert_shards:
+            sent.update(self.expert_shards.sent.take_sent())
+        return dict(sent) | self.take_mesh_sent()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Working params (stage 3: the full buffers hold only the blocks gathered now, their
@@ -410,7 +413,7 @@ class ZeroStrategy(StrategyBase):
         if self.reducer is not None:
             in_flight = [t for _, payload, out, _ in self.reducer.pending for t in (payload, out)]
         grads = [t for b in self.buffers for t in (b.grad_full, b.grad_shard, b.host_grad)]
-        experts = list(self.experts.params.values()) if self.experts else []
+        experts = list(self.expert_shards.params.values()) if self.expert_shards else []
         grads += [p.grad for p in experts]
         return {
             "params": [b.full for b in self.buffers] + [b.shard for b in self.buffers] + experts,

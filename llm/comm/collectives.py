@@ -1,5 +1,6 @@
-"""The two collectives ZeRO is built on, under the names this torch has: torch 2.13 renames
-them (the old names warn), older releases such as 2.11 have only the old names."""
+"""The two collectives that sharded strategies and optimizers build on, under the names this
+torch has: torch 2.13 renames them (the old names warn), older releases such as 2.11 have
+only the old names."""
 
 import torch.distributed as dist
 
