@@ -33,6 +33,9 @@ SHARDS = {
         "tests/faults/test_run_faults.py",
         "tests/test_memory_peak.py",
         "tests/test_memtracker_crosscheck.py",
+        "tests/test_checkpoint.py",
+        "tests/test_loss_scale.py",
+        "tests/faults/test_cli_edges.py",
     ],
     # Tensor, pipeline, expert and 2-D parallelism, DeepSpeed, FSDP, multi-node torchrun (about 27
     # min).
@@ -81,6 +84,9 @@ SHARDS = {
         "tests/test_replica_precision.py",
         "tests/test_training.py",
         "tests/test_slow_shards.py",
+        "tests/test_config.py",
+        "tests/test_estimate_inference.py",
+        "tests/test_fused_loss.py",
     ],
 }
 

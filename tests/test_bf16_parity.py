@@ -49,6 +49,7 @@ def bf16_reference(tmp_path_factory, text_corpus, cache_dir):
     ],
     ids=lambda s: "-".join(o.split("=")[1] for o in s),
 )
+@pytest.mark.slow
 def test_bf16_matches_one_bf16_process(tmp_path, text_corpus, cache_dir, bf16_reference, strategy):
     _, out = run(
         tmp_path,

@@ -174,6 +174,7 @@ def _parity_rank(rank: int, world: int, port: int, hf_dir: str, results) -> None
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_every_strategy_starts_from_the_single_process_weights(tmp_path):
     """zero1-3, fsdp and ddp on 2 ranks, from our init and from a Hugging Face checkpoint:
     bitwise the weights of one process (fp32 masters under bf16 too)."""
@@ -257,6 +258,7 @@ STARTUP = [("zero3", "gpt2-tiny", SMALL, 0.05), ("fsdp", "gpt2-tiny", SMALL, 25.
 
 
 @pytest.mark.parametrize("case", STARTUP, ids=[c[0] for c in STARTUP])
+@pytest.mark.slow
 def test_startup_peak_is_the_shard_plus_one_unit(case):
     """Start-up (wrap + optimizer) on 2 ranks allocates at most the rank's model state plus
     one bucket or block plus one parameter's full init temporary: never the whole model."""

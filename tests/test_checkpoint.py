@@ -90,6 +90,7 @@ def test_mismatched_model_is_refused(tmp_path, text_corpus, cache_dir):
         launch(compose_config(other))
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size(tmp_path, text_corpus, cache_dir):
     """Saved by 2 DDP ranks, resumed by 1 process with the same global batch."""
     ref_out = tmp_path / "ref"

@@ -49,6 +49,7 @@ def test_every_group_has_options():
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+@pytest.mark.slow
 def test_every_option_composes(group, option, tmp_path):
     extra = [f"{group}={option}"]
     if group == "data" and option == "files":

@@ -76,6 +76,7 @@ def test_deepspeed_own_estimators(n_gpus):
         assert _transcribed(3, phi, largest, n_gpus, 2, opt, par) == ds3
 
 
+@pytest.mark.slow
 def test_estimate_prints_deepspeeds_own_beside_ours(tmp_path):
     """python -m llm.estimate parallelism=deepspeed at stage 2: both figures, and the JSON."""
     out = tmp_path / "est.json"
@@ -160,6 +161,7 @@ def test_every_published_config_names_the_registered_vocabulary():
     }
 
 
+@pytest.mark.slow
 def test_cli_title_names_vocabulary_and_parameters(tmp_path):
     """python -m llm.estimate model=bloom-176b: 176.28B parameters, vocabulary 250,880."""
     out = tmp_path / "est.json"

@@ -140,6 +140,7 @@ def _measured(args, batch: int, context: int, paged: bool) -> tuple[int, int]:
     ],
 )
 @pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.slow
 def test_working_memory_equals_the_measured_peak(overrides, paged):
     """The peak tracker's live bytes beyond weights and cache. A prefill: within 5% (the
     residual stream three times and the larger of logits and the MLP's peak, per token).

@@ -62,6 +62,7 @@ def _dry_run(config: str, jobs: list[list[str]], check: bool) -> None:
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
+@pytest.mark.slow
 def test_every_experiment_has_both_scales_and_its_jobs_compose(name):
     """Small (and medium) scale: every value of every sweep axis composes and validates; GPU
     scale: its first job composes (every job of every scale: the slow test below)."""

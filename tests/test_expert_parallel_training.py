@@ -120,6 +120,7 @@ def test_every_ep_layout_equals_one_process(tmp_path, text_corpus, cache_dir, re
 @pytest.mark.parametrize(
     "strategy", ["zero2", *(pytest.param(s, marks=pytest.mark.slow) for s in ("ddp", "fsdp"))]
 )
+@pytest.mark.slow
 def test_estimate_equals_the_measured_states_on_every_ep_rank(
     tmp_path, text_corpus, cache_dir, strategy
 ):
@@ -179,6 +180,7 @@ def test_the_plan_tries_expert_parallel_sizes_for_moe_shapes():
     assert {r.layout.ep for r in plan(dense, model_args_for(dense, vocab_size=4096))} == {1}
 
 
+@pytest.mark.slow
 def test_a_capacity_drops_the_same_tokens_as_one_process_under_ep(
     tmp_path, text_corpus, cache_dir, reference
 ):

@@ -33,6 +33,7 @@ def single(tmp_path_factory, text_corpus, cache_dir):
 @pytest.mark.parametrize(
     "name", [n if n == "zero3" else pytest.param(n, marks=pytest.mark.slow) for n in STRATEGIES]
 )
+@pytest.mark.slow
 def test_fp8_under_each_strategy_equals_one_process(tmp_path, text_corpus, cache_dir, single, name):
     pipeline = name == "pipeline"
     summary, out = run(

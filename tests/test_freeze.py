@@ -90,6 +90,7 @@ def test_single_process_keeps_frozen_weights_and_holds_no_state_for_them(referen
     ],
     ids=["ddp", "fsdp", "deepspeed1", "deepspeed2", "deepspeed3"],
 )
+@pytest.mark.slow
 def test_two_ranks_with_frozen_parameters_match_one_process(
     tmp_path, reference, text_corpus, cache_dir, strategy
 ):

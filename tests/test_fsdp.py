@@ -180,6 +180,7 @@ def test_fsdp_offload_params(tmp_path, reference, text_corpus, cache_dir):
     assert_matches_reference(reference, out)
 
 
+@pytest.mark.slow
 def test_fsdp_gradient_accumulation_reduces_once(tmp_path, reference, text_corpus, cache_dir):
     summary, out = fsdp_run(tmp_path, "accumulate", text_corpus, cache_dir, 2, accumulate=2)
     assert_matches_reference(reference, out)

@@ -289,6 +289,7 @@ def test_a_run_with_a_padded_vocabulary_equals_the_plain_run(
     _assert_same_run(out, plain_run)
 
 
+@pytest.mark.slow
 def test_a_chunked_zero2_run_on_two_ranks_equals_the_plain_run(
     tmp_path, text_corpus, cache_dir, plain_run
 ):

@@ -80,6 +80,7 @@ def _section(module: str) -> Section:
     return Section(module.rsplit(".", 1)[-1], 1, 10, module)
 
 
+@pytest.mark.slow
 def test_a_section_past_its_limit_is_killed_and_keeps_its_rows(tmp_path):
     with (tmp_path / "log").open("w") as log:
         status, seconds, result, modules = runner.run_section(
@@ -211,6 +212,7 @@ def _git(root: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow
 def test_a_run_names_its_commit_and_each_sections_files(tmp_path, monkeypatch):
     """A dry run of a real section process: the record names git's HEAD and whether the
     tree had changes, and the section's digest covers the repository files it imported."""

@@ -124,6 +124,7 @@ OTHERS = ["sgd", "lion", "lamb", "adafactor", "muon", "sophia"]
         ),
     ],
 )  # fmt: skip
+@pytest.mark.slow
 def test_other_optimizers_read_at_most_the_skip_decision(
     tmp_path, text_corpus, cache_dir, monkeypatch, extra
 ):

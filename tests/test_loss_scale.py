@@ -228,6 +228,7 @@ def test_repeated_overflow_at_min_scale_names_the_parameters():
     assert "\n" not in message
 
 
+@pytest.mark.slow
 def test_scaler_state_survives_checkpoint_and_resume(tmp_path, text_corpus, cache_dir):
     """An fp16 run stopped at step 4 and resumed from its checkpoint logs the loss scale,
     skips and losses of the same run uninterrupted. growth_interval=1 makes the scale move

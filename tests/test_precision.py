@@ -133,6 +133,7 @@ def fp32_reference(tmp_path_factory, text_corpus, cache_dir):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "deepseek"])
+@pytest.mark.slow
 def test_fp8_recipes_train_end_to_end_in_emulation(
     tmp_path, text_corpus, cache_dir, fp32_reference, recipe, capfd
 ):
@@ -213,6 +214,7 @@ TRACKING = {"fp16": (2e-3, 2e-3), "bf16": (5e-3, 1e-2), "bf16_pure": (2e-2, 3e-2
 
 
 @pytest.mark.parametrize("name", sorted(TRACKING))
+@pytest.mark.slow
 def test_reduced_precision_tracks_fp32(tmp_path, text_corpus, cache_dir, fp32_run, name):
     ref_summary, ref = fp32_run
     summary, out = run(

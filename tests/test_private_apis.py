@@ -480,6 +480,7 @@ def test_every_name_the_scan_cannot_reach_by_name_has_a_check():
 
 
 @pytest.mark.parametrize("key", list(GUARD))
+@pytest.mark.slow
 def test_private_name_is_there(key):
     check = GUARD[key].check
     if check is None:

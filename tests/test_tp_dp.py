@@ -191,6 +191,7 @@ def assert_estimate_matches(tmp_path, text_corpus, cache_dir, overrides, summary
 
 
 @pytest.mark.parametrize(LAYOUT_NAMES, LAYOUTS)
+@pytest.mark.slow
 def test_estimate_equals_what_each_rank_holds(
     tmp_path, dp_tp_on, text_corpus, cache_dir, strategy, model, sequence_parallel, accum
 ):

@@ -274,6 +274,7 @@ def test_zero3_with_compile_is_refused(tmp_path, text_corpus, cache_dir):
         run(tmp_path, "c", text_corpus, cache_dir, "parallelism=zero3", "train.compile=true")
 
 
+@pytest.mark.slow
 def test_frozen_parameters_reach_the_checkpoint(tmp_path, text_corpus, cache_dir):
     """model.freeze under zero3: frozen weights are saved (each rank its slice, no optimizer
     state) and every weight equals the single-process run's."""

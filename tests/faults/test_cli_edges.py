@@ -115,6 +115,7 @@ def test_a_run_ends_with_where_its_results_are(train, capsys, tmp_path, text_cor
     assert "train.max_steps=6" in (out / ".hydra" / "overrides.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_a_sweep_ends_with_a_table_of_its_jobs(train, capsys, tmp_path, text_corpus, cache_dir):
     """sweep: 2 jobs
     job  status  train loss  val loss  overrides        folder

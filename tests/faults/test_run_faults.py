@@ -131,6 +131,7 @@ def test_ctrl_c_waits_for_the_ranks_checkpoint(tmp_path):
     assert str(tmp_path / "checkpoints/step_000003") in one_line(err)
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_the_ranks_at_once(tmp_path):
     """Ctrl-C: stopping after this step; Ctrl-C again to stop now
     stopped: interrupted (Ctrl-C) before any checkpoint was written; nothing to resume"""
