@@ -32,7 +32,7 @@ from llm.train.checkpoint import describe
 from llm.train.checkpoint_files import list_checkpoints
 from llm.train.stop import announce_stop, exit_code, stop_guard
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ERRORS_DIR = ".rank_errors"
 
 

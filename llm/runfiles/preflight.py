@@ -21,7 +21,7 @@ from llm.config import Config, first_unknown_part, unknown_key_message
 from llm.errors import ConfigError, DiskFullError
 from llm.runfiles.disk import MB, free_bytes
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 MIN_FREE_BYTES = 1 * MB  # the run's record and logs; checkpoints are checked when written
 
 
