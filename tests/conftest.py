@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sysconfig
 from pathlib import Path
@@ -66,6 +67,19 @@ def fake_tp_mesh():
         yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def train(monkeypatch, tmp_path):
+    """train.py as a module, run from an empty folder (outputs/ lands there), sys.argv kept."""
+    spec = importlib.util.spec_from_file_location("train_entry", REPO / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -4,26 +4,9 @@ config refused there, and spawned ranks' lines. The console itself keeps its pla
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-import pytest
 from helpers import compose_config, small_run_overrides
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def train(monkeypatch, tmp_path):
-    """train.py as a module, run from an empty folder, sys.argv kept."""
-    spec = importlib.util.spec_from_file_location("train_entry", REPO / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr("sys.argv", ["train.py"])
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    return module
 
 
 def _command(train, args: list[str]) -> int:

@@ -4,7 +4,6 @@ the user sees."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import signal
@@ -17,21 +16,6 @@ from rich.console import Console
 from llm.runfiles.run_dir_lock import RunDirLock
 from llm.train.checkpoint import Checkpointer
 from llm.train.checkpoint_files import list_checkpoints
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def train(monkeypatch, tmp_path):
-    """train.py as a module, run from an empty folder (outputs/ lands there), sys.argv kept."""
-    spec = importlib.util.spec_from_file_location("train_entry", REPO / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr("sys.argv", ["train.py"])
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    return module
 
 
 def _lines(capsys) -> list[str]:
