@@ -54,8 +54,9 @@ def test_two_data_parallel_ranks_equal_one_process(
     [
         ("model.moe.capacity_factor=0.75",),
         ("model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"),
+        ("model.moe.balance_loss=pooled", "model.moe.aux_loss_coef=0.1"),
     ],
-    ids=["capacity", "sigmoid"],
+    ids=["capacity", "sigmoid", "pooled"],
 )
 @pytest.mark.slow
 def test_routing_variants_equal_one_process_under_zero2(
@@ -161,8 +162,9 @@ def test_recompute_reruns_the_moe_forward_without_changing_the_run(
         (),
         ("model.moe.z_loss_coef=0.001", "model.moe.router=sigmoid", "model.moe.n_shared_experts=1"),
         ("model.moe.aux_loss_coef=0", "model.moe.norm_topk=false"),
+        pytest.param(("model.moe.balance_loss=pooled",), marks=pytest.mark.slow),
     ],
-    ids=["default", "sigmoid_shared_z", "no_balance_unnormalised"],
+    ids=["default", "sigmoid_shared_z", "no_balance_unnormalised", "pooled"],
 )
 def test_estimate_counts_the_activated_experts_activations_exactly(
     tmp_path, text_corpus, cache_dir, extra
