@@ -12,7 +12,10 @@
 - Logged steps carry the load per layer and expert (metrics.jsonl, and W&B through the
   logger), its max / mean per layer, the balance loss (per_layer: the layers' mean, 1 at
   perfect balance; pooled: the one loss, top_k at perfect balance) and the z loss (the
-  layers' mean), and the share of assignments that a capacity dropped.
+  layers' mean), and the share of assignments that a capacity dropped. The balance and z
+  losses are the whole batch's: each rank's own figure is a mean over its rows, and the
+  Trainer averages them over the data-parallel ranks in the collective that sums the
+  logged step's losses (``logged_losses``, ``take_global``).
 """
 
 from __future__ import annotations
@@ -83,6 +86,16 @@ class MoEStats:
             "z": self._z / self.micro_batches,
         }
         self._reset()
+
+    def logged_losses(self) -> list[Tensor]:
+        """This rank's balance and z losses of the last step (0-d; none before a step or
+        without MoE layers), for the Trainer to sum over ranks with the step's losses."""
+        return [self.last["balance"], self.last["z"]] if self.last else []
+
+    def take_global(self, means: Tensor) -> None:
+        """The last step's balance and z losses averaged over the data-parallel ranks (the
+        sums of ``logged_losses`` over ranks, divided): the whole batch's, to be logged."""
+        self.last["balance"], self.last["z"] = means
 
     def take_sent(self) -> dict[str, int]:
         """Bytes the layers' exchanges sent since the last call (counts, all-to-all)."""
