@@ -1,5 +1,6 @@
 """Our mixture-of-experts model against transformers' MixtralForCausalLM on the same weights:
-import (from_hf), export (to_hf), and the MoE shapes Mixtral cannot hold.
+import (from_hf), export (to_hf), the MoE shapes Mixtral cannot hold, and training: an
+imported Mixtral's loss and router gradients, with transformers' pooled balance loss.
 
 Tolerance: fp32 logits agree to atol 1e-5, rtol 0 (same routing, same fp32 router, the
 experts' products summed per token in the same order; attention kernels differ).
@@ -136,3 +137,83 @@ def test_mixtral_features_we_cannot_run_are_refused(tmp_path):
     _config(router_jitter_noise=0.1).save_pretrained(tmp_path / "jitter")
     with pytest.raises(ConfigError, match=r"router_jitter_noise=0\.1"):
         from_hf(tmp_path / "jitter")
+
+
+def _total_loss(ours, ids):
+    """What the Trainer backpropagates for one micro-batch, as a mean over tokens: the
+    shifted cross-entropy plus the MoE auxiliary losses (llm.train.moe_stats)."""
+    from llm.train.moe_stats import MoEStats
+
+    logits = ours(ids)
+    lm = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return lm + MoEStats(ours, micro_batches=1).aux_loss()
+
+
+def test_imported_mixtral_trains_with_transformers_loss_and_router_gradients(tmp_path):
+    """An imported Mixtral takes transformers' pooled balance loss with its coefficient: the
+    total loss (lm + router_aux_loss_coef x aux) and every router's gradient equal
+    MixtralForCausalLM's with labels and output_router_logits=True, on the same batch
+    (fp32, 4 layers, top-2 of 8; loss to 1e-6 relative, router gradients to 1e-5 relative
+    of their largest entry). No padding: transformers weighs the balance loss's rows by an
+    attention_mask when given one, ours counts every row. The per-layer loss, under the same
+    coefficient, gives other router gradients."""
+    import dataclasses
+
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(0)
+    hf = MixtralForCausalLM(_config(num_hidden_layers=4, router_aux_loss_coef=0.1)).train()
+    hf.save_pretrained(tmp_path / "hf")
+    ours = from_hf(tmp_path / "hf").train()
+    assert ours.args.moe.balance_loss == "pooled" and ours.args.moe.aux_loss_coef == 0.1
+
+    ids = _ids()
+    out = hf(ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    total = _total_loss(ours, ids)
+    total.backward()
+    assert total.item() == pytest.approx(out.loss.item(), rel=1e-6)
+    routers = [(layer.feed_forward.router.gate, hf.model.layers[i].mlp.gate)
+               for i, layer in enumerate(ours.layers)]  # fmt: skip
+    for mine, theirs in routers:
+        scale = theirs.weight.grad.abs().max().item()
+        torch.testing.assert_close(mine.weight.grad, theirs.weight.grad, rtol=0, atol=1e-5 * scale)
+
+    per_layer = from_hf(tmp_path / "hf").train()
+    moe = dataclasses.replace(per_layer.args.moe, balance_loss="per_layer")
+    for layer in per_layer.layers:
+        layer.feed_forward.moe = layer.feed_forward.router.moe = moe
+    _total_loss(per_layer, ids).backward()
+    router = per_layer.layers[0].feed_forward.router.gate.weight.grad
+    assert not torch.allclose(router, hf.model.layers[0].mlp.gate.weight.grad, rtol=1e-3)
+
+
+def test_export_maps_the_balance_loss_to_mixtral_coefficient(caplog):
+    """A pooled loss's coefficient is Mixtral's as it is; a per-layer one (summed over 4
+    layers, 1 each at perfect balance) is scaled by n_layers / top_k = 2, and the log says so."""
+    from llm.models.hf_config import hf_config
+
+    per_layer = model_args("moe-tiny", vocab_size=V, n_layers=4, moe={"aux_loss_coef": 0.01})
+    pooled = model_args("moe-tiny", vocab_size=V, moe={"balance_loss": "pooled"})
+    with caplog.at_level("INFO", logger="llm.models.hf_config"):
+        assert hf_config(pooled).router_aux_loss_coef == 0.01
+        assert not caplog.records
+        assert hf_config(per_layer).router_aux_loss_coef == pytest.approx(0.02, rel=1e-12)
+    assert "aux_loss_coef 0.01 x n_layers 4 / top_k 2 = 0.02" in caplog.text
+
+
+def test_a_run_importing_mixtral_says_its_balance_loss_is_pooled(tmp_path, caplog):
+    """validate() logs it (train.py writes validate's records to the run's train.log)."""
+    from helpers import compose_config, small_run_overrides
+
+    from llm.validate import validate
+
+    _mixtral().save_pretrained(tmp_path / "hf")  # router_aux_loss_coef=0.02
+    unused = tmp_path / "unused"
+    cfg = compose_config(
+        small_run_overrides(unused, unused, unused, f"model.init_from={tmp_path / 'hf'}")
+    )
+    with caplog.at_level("INFO", logger="llm.validate"):
+        validate(cfg)
+    assert "model.moe.balance_loss=pooled" in caplog.text
+    assert "router_aux_loss_coef=0.02" in caplog.text

@@ -141,6 +141,11 @@ def test_every_and_first_dense_place_the_moe_blocks():
             "model.moe.n_experts is set but model llama-tiny is dense",
         ),
         ("moe-tiny", {"router": "noisy"}, "model.moe.router='noisy' is unknown"),
+        (
+            "moe-tiny",
+            {"balance_loss": "global"},
+            "model.moe.balance_loss='global' is unknown; choose one of per_layer, pooled",
+        ),
         ("moe-tiny", {"capacity_factor": 0.0}, "capacity_factor=0.0 must be > 0"),
     ],
 )

@@ -1,7 +1,9 @@
 """moe-tiny trained through train.py's path: the auxiliary losses reach the gradient, the
 load is logged, and 2 data-parallel ranks under ddp, zero2 and fsdp equal one process
-(helpers.assert_run_matches: losses and clipping norms within 1e-5, weights 1e-4), with
-dropless routing, with a capacity that drops tokens, and with the sigmoid router's bias."""
+(helpers.assert_run_matches: losses and clipping norms within 1e-5, weights 1e-4; the logged
+balance and z losses within 1e-5, since they are the whole batch's, not rank 0's), with
+dropless routing, with a capacity that drops tokens, with the sigmoid router's bias, and
+with transformers' pooled balance loss."""
 
 from __future__ import annotations
 
@@ -15,6 +17,16 @@ MOE = ("model.moe.z_loss_coef=0.001",)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_corpus, cache_dir):
     return reference_runs(tmp_path_factory, text_corpus, cache_dir, STEPS, *MOE)
+
+
+def _assert_moe_losses_match(ref_out, out) -> None:
+    """The logged balance and z losses of every step equal one process's within 1e-5."""
+    names = ("moe/balance_loss", "moe/z_loss")
+    ref = {m["step"]: [m[n] for n in names] for m in read_metrics(ref_out) if names[0] in m}
+    got = {m["step"]: [m[n] for n in names] for m in read_metrics(out) if names[0] in m}
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, values in got.items():
+        assert values == pytest.approx(ref[step], abs=1e-5), step
 
 
 def _ranks(tmp_path, text_corpus, cache_dir, strategy, *extra):
@@ -46,6 +58,7 @@ def test_two_data_parallel_ranks_equal_one_process(
 ):
     summary, out = _ranks(tmp_path, text_corpus, cache_dir, strategy)
     assert_run_matches(reference("moe-tiny"), out, STEPS)
+    _assert_moe_losses_match(reference("moe-tiny"), out)
     assert summary["n_active_params"] < summary["n_params"]
 
 
@@ -54,8 +67,9 @@ def test_two_data_parallel_ranks_equal_one_process(
     [
         ("model.moe.capacity_factor=0.75",),
         ("model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"),
+        ("model.moe.balance_loss=pooled", "model.moe.aux_loss_coef=0.1"),
     ],
-    ids=["capacity", "sigmoid"],
+    ids=["capacity", "sigmoid", "pooled"],
 )
 @pytest.mark.slow
 def test_routing_variants_equal_one_process_under_zero2(
@@ -64,6 +78,7 @@ def test_routing_variants_equal_one_process_under_zero2(
     _, out = _ranks(tmp_path, text_corpus, cache_dir, "zero2", *extra)
     ref = reference("moe-tiny", *extra)
     assert_run_matches(ref, out, STEPS)
+    _assert_moe_losses_match(ref, out)
     dropped = [m["moe/dropped_share"] for m in read_metrics(ref) if "moe/dropped_share" in m]
     assert (min(dropped) > 0) == ("capacity" in extra[0])
 
@@ -161,8 +176,9 @@ def test_recompute_reruns_the_moe_forward_without_changing_the_run(
         (),
         ("model.moe.z_loss_coef=0.001", "model.moe.router=sigmoid", "model.moe.n_shared_experts=1"),
         ("model.moe.aux_loss_coef=0", "model.moe.norm_topk=false"),
+        pytest.param(("model.moe.balance_loss=pooled",), marks=pytest.mark.slow),
     ],
-    ids=["default", "sigmoid_shared_z", "no_balance_unnormalised"],
+    ids=["default", "sigmoid_shared_z", "no_balance_unnormalised", "pooled"],
 )
 def test_estimate_counts_the_activated_experts_activations_exactly(
     tmp_path, text_corpus, cache_dir, extra

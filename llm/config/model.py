@@ -22,6 +22,7 @@ class MoEConfig:
     router: str | None = None  # softmax | sigmoid
     norm_topk: bool | None = None
     aux_loss_coef: float | None = None
+    balance_loss: str | None = None  # per_layer | pooled (transformers' Mixtral loss)
     z_loss_coef: float | None = None
     bias_update_rate: float | None = None
     # Every shape here is dropless (no capacity); a number sets one.

@@ -388,7 +388,11 @@ def _moe_terms(args: ModelArgs, b: int, s: int, dt: Dtypes, k: Kernels) -> dict:
         "moe.w2_input": f,
         "moe.expert_output": rows * h * dt.c,  # times its weight
         "moe.weighted_output": rows * h * dt.p,  # what index_add_ sums per token (it keeps it)
-        "moe.balance_share": moe.n_experts * F32 if moe.aux_loss_coef > 0 else 0,
+        # The per-layer loss's f_i, saved by its product; the pooled loss is made after the
+        # forward, from sums that save nothing in the block.
+        "moe.balance_share": (
+            moe.n_experts * F32 if moe.aux_loss_coef > 0 and moe.balance_loss == "per_layer" else 0
+        ),
     }
     if moe.router == "sigmoid":  # sigmoid's output, and the sum that normalises it
         terms["moe.router_scores"] = n * moe.n_experts * F32 + n * F32

@@ -23,16 +23,23 @@ class SamplingParams:
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """(B, V) logits with the tokens outside top-k and outside the top-p nucleus at -inf
-    (the token that crosses p is kept, so the nucleus is never empty)."""
+    """(B, V) logits with the tokens outside top-k and outside the top-p nucleus at -inf.
+
+    The nucleus is transformers' (TopPLogitsWarper), op for op: a token stays when the tokens
+    more likely than it hold less than p, so one whose predecessors hold exactly p is dropped,
+    and the most likely token always stays. The sort is ascending with torch's default (not
+    stable) algorithm, the call transformers makes, so tokens tied at the edge of the nucleus
+    are kept or dropped as there: which of them is kept follows the sort's order of ties,
+    which torch does not define (on CPU past 16 tokens it is not index order)."""
     if top_k > 0:
         kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already hold more than p.
-        drop_sorted = probs.cumsum(-1) - probs > top_p
+        sorted_logits, order = logits.sort(dim=-1)
+        # Mass of each token and every less likely one: at most 1 - p means the tokens
+        # above it hold p or more.
+        drop_sorted = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop_sorted[..., -1] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

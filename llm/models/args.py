@@ -10,6 +10,7 @@ from llm.errors import ConfigError
 FAMILIES = ("gpt2", "llama")
 ROUTERS = ("softmax", "sigmoid")
 EXPERT_KERNELS = ("auto", "grouped", "loop")
+BALANCE_LOSSES = ("per_layer", "pooled")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ class MoEArgs:
     router: str = "softmax"
     norm_topk: bool = True  # the k weights divided by their sum (Mixtral: yes)
     aux_loss_coef: float = 0.01  # Switch / GShard load balance: E * sum_i f_i * P_i
+    # per_layer: one balance loss per MoE block, f_i each expert's share of the block's
+    # assignments (1 at perfect balance; Switch, DeepSeek-V2/V3), the blocks' losses summed.
+    # pooled: transformers' load_balancing_loss_func (Mixtral), one loss over every block's
+    # router rows pooled, f_i assignments per row (top_k at perfect balance): about
+    # top_k / n_moe_blocks times per_layer's weight for the same aux_loss_coef.
+    balance_loss: str = "per_layer"
     z_loss_coef: float = 0.0  # ST-MoE router z-loss: mean logsumexp(logits)^2
     bias_update_rate: float = 1e-3  # sigmoid router only
     # Expert capacity ceil(capacity_factor * tokens * top_k / n_experts) over the global
@@ -56,6 +63,11 @@ class MoEArgs:
         if self.router not in ROUTERS:
             raise ConfigError(
                 f"model.moe.router={self.router!r} is unknown; choose one of {', '.join(ROUTERS)}"
+            )
+        if self.balance_loss not in BALANCE_LOSSES:
+            raise ConfigError(
+                f"model.moe.balance_loss={self.balance_loss!r} is unknown; choose one of "
+                f"{', '.join(BALANCE_LOSSES)}"
             )
         if self.kernel not in EXPERT_KERNELS:
             raise ConfigError(

@@ -1,8 +1,17 @@
 """ModelArgs <-> Hugging Face configs (GPT2Config, LlamaConfig, MixtralConfig), refusing what
-we cannot run."""
+we cannot run.
+
+Mixtral's ``router_aux_loss_coef`` weighs transformers' pooled balance loss (one over every
+layer's rows, top_k at perfect balance), so an import takes ``balance_loss="pooled"`` with the
+coefficient as it is, and an export of a pooled model writes it back unchanged. A per-layer
+model (the blocks' losses summed, each 1 at perfect balance) is exported with the coefficient
+scaled by n_layers / top_k, which gives the two losses the same weight at perfect balance,
+and a log line says so.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +21,8 @@ from llm.models.args import ModelArgs, MoEArgs, RopeScaling
 
 if TYPE_CHECKING:  # transformers is imported on use: it adds ~2 s to `import llm.models`
     from transformers import GPT2Config, LlamaConfig, MixtralConfig, PretrainedConfig
+
+log = logging.getLogger(__name__)
 
 
 def _unsupported(path: Any, what: str) -> ConfigError:
@@ -78,6 +89,7 @@ def _mixtral_args(cfg: MixtralConfig, path: Any) -> ModelArgs:
         router="softmax",
         norm_topk=True,
         aux_loss_coef=cfg.router_aux_loss_coef,
+        balance_loss="pooled",
     )
     return _llama_family_args(cfg, path, moe)
 
@@ -201,6 +213,26 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> Pretrained
         intermediate_size=args.d_expert,
         num_local_experts=args.moe.n_experts,
         num_experts_per_tok=args.moe.top_k,
-        router_aux_loss_coef=args.moe.aux_loss_coef,
+        router_aux_loss_coef=_mixtral_aux_coef(args),
         **shared,
     )
+
+
+def _mixtral_aux_coef(args: ModelArgs) -> float:
+    """Mixtral's router_aux_loss_coef for ``args``' balance loss: the coefficient itself when
+    pooled; per-layer, scaled so that both weigh balance alike at perfect balance (the
+    per-layer losses sum to n_layers there, the pooled one is top_k)."""
+    moe = args.moe
+    if moe.balance_loss == "pooled":
+        return moe.aux_loss_coef
+    coef = moe.aux_loss_coef * args.n_layers / moe.top_k
+    log.info(
+        "model.moe.balance_loss=per_layer is written as Mixtral's pooled balance loss: "
+        "router_aux_loss_coef = aux_loss_coef %g x n_layers %d / top_k %d = %g, the same "
+        "weight at perfect balance",
+        moe.aux_loss_coef,
+        args.n_layers,
+        moe.top_k,
+        coef,
+    )
+    return coef

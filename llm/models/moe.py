@@ -153,10 +153,13 @@ class SharedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """(B, T, d) -> (B, T, d). After a training forward: ``aux_loss`` (the weighted balance
-    and z losses, or None when both weights are 0), ``load`` (E,) assignments per expert over
-    the global micro-batch before any drop, ``kept`` how many of the global micro-batch's
-    assignments the capacity kept, and the unweighted ``balance_loss`` and ``z_loss`` for logging."""
+    """(B, T, d) -> (B, T, d). After a training forward: ``aux_loss`` (the weighted
+    per-layer balance and z losses, or None when none is weighed in), ``load`` (E,)
+    assignments per expert over the global micro-batch before any drop, ``kept`` how many of
+    the global micro-batch's assignments the capacity kept, and the unweighted
+    ``balance_loss`` (per_layer; None when pooled) and ``z_loss`` for logging. Under
+    ``balance_loss=pooled`` the block leaves ``probs_sum`` (E,), its rows' router
+    probabilities summed, and ``rows``, for :func:`pooled_balance_loss` over every block."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -172,6 +175,8 @@ class MoE(nn.Module):
         self.kept: Tensor | None = None
         self.balance_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
+        self.probs_sum: Tensor | None = None
+        self.rows = 0
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
@@ -219,15 +224,20 @@ class MoE(nn.Module):
         # mean over ranks of each rank's loss is the global batch's (Switch eq. 4).
         share = total.float() / total.sum().clamp(min=1)
         grad = torch.is_grad_enabled()
+        per_layer = moe.balance_loss == "per_layer"
         # A loss weighted 0 is only logged: no graph keeps its inputs for a backward.
         with torch.set_grad_enabled(grad and moe.aux_loss_coef > 0):
-            balance = moe.n_experts * (share * route.probs.mean(0)).sum()
+            if per_layer:
+                balance = moe.n_experts * (share * route.probs.mean(0)).sum()
+            else:  # the model's one loss needs every block's rows: pooled_balance_loss
+                self.probs_sum, self.rows = route.probs.sum(0), route.probs.size(0)
         with torch.set_grad_enabled(grad and moe.z_loss_coef > 0):
             z = torch.logsumexp(route.logits, dim=-1).square().mean()
-        terms = [c * loss for c, loss in ((moe.aux_loss_coef, balance), (moe.z_loss_coef, z))
-                 if c > 0]  # fmt: skip
+        weighed = ([(moe.aux_loss_coef, balance)] if per_layer else []) + [(moe.z_loss_coef, z)]
+        terms = [c * loss for c, loss in weighed if c > 0]
         self.aux_loss = sum(terms) if terms else None
-        self.balance_loss, self.z_loss = balance.detach(), z.detach()
+        self.balance_loss = balance.detach() if per_layer else None
+        self.z_loss = z.detach()
         self.load = total
         # The global queue keeps each expert's first `capacity` assignments.
         kept = total if moe.capacity_factor is None else total.clamp(max=self.capacity(total.sum()))
@@ -236,3 +246,19 @@ class MoE(nn.Module):
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def pooled_balance_loss(layers: list[MoE]) -> Tensor:
+    """transformers' ``load_balancing_loss_func`` (Mixtral) over the last training forward of
+    ``layers``, a model's MoE blocks: every block's router rows pooled into one set, f_i the
+    assignments to expert i per row (no gradient), P_i the mean probability of expert i,
+    ``E * sum_i f_i * P_i``: top_k at perfect balance. f_i counts the global micro-batch, P_i
+    this rank's rows, so the mean over data-parallel ranks is the global batch's loss, as for
+    the per-layer loss (equal rows per rank). Padding rows count, as transformers' without an
+    attention_mask."""
+    moe = layers[0].moe
+    load = torch.stack([layer.load for layer in layers]).sum(0).float()
+    assignments_per_row = load / (load.sum() / moe.top_k).clamp(min=1)
+    probs = torch.stack([layer.probs_sum for layer in layers]).sum(0)
+    mean_probs = probs / sum(layer.rows for layer in layers)
+    return moe.n_experts * (assignments_per_row * mean_probs).sum()

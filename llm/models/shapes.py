@@ -104,7 +104,8 @@ MODEL_SHAPES: dict[str, ModelArgs] = {
         n_kv_heads=8,
         d_ff=14336,
         rope_theta=1e6,
-        moe=MoEArgs(n_experts=8, top_k=2, aux_loss_coef=0.02),
+        # Its config's router_aux_loss_coef, which weighs transformers' pooled loss.
+        moe=MoEArgs(n_experts=8, top_k=2, aux_loss_coef=0.02, balance_loss="pooled"),
     ),
     # deepseek-ai/deepseek-moe-16b-base (Dai et al. 2024): 64 routed experts of width 1408,
     # 6 per token, 2 shared, the first block dense; 16.4B parameters, 2.8B active.

@@ -332,13 +332,18 @@ class Trainer:
         self.strategy.zero_grad()
 
     def _read_pending(self, timer: StepTimer) -> tuple[bool, dict | None]:
-        """Read every step since the last read in one host sync (their losses all-reduced
-        in one collective), account for them and run the monitor on each. Every rank calls
+        """Read every step since the last read in one host sync (their losses, and the last
+        step's MoE losses, all-reduced in one collective), account for them and run the
+        monitor on each. Every rank calls
         this at the same steps. Returns (any rank asked to stop, the last step's metrics)."""
         pending, self._pending = self._pending, []
         if not pending:
             return False, None
-        losses = _all_reduce_sum([p.loss_sum for p in pending], self.device) / self.loss_copies
+        moe_losses = self.moe.logged_losses()
+        sums = _all_reduce_sum([p.loss_sum for p in pending] + moe_losses, self.device)
+        losses = sums[: len(pending)] / self.loss_copies
+        if moe_losses:  # each dp rank's mean over its rows, held by its batch's every reader
+            self.moe.take_global(sums[len(pending) :] / (self.dp_size * self.batch_copies))
         rows = [
             torch.stack(
                 [

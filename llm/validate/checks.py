@@ -102,6 +102,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                 f"parallelism.tp_size={tp} (padding applies to our init only); pick a tp_size "
                 "dividing it"
             )
+        if args.moe is not None:
+            log.info(
+                "model.init_from is a Mixtral checkpoint: its balance loss is transformers' "
+                "(model.moe.balance_loss=pooled: one loss over every layer's router rows, "
+                "top_k at perfect balance) weighted by its router_aux_loss_coef=%g",
+                args.moe.aux_loss_coef,
+            )
     p = cfg.parallelism
     check_experts(args, p, cfg.optimizer.name, nproc)
     check_tensor_parallel(args, tp, cfg.data.seq_len, p.sequence_parallel)
