@@ -25,6 +25,8 @@ from llm.parallel.dist import RankEnv
 from llm.train.trainer import Trainer
 
 NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+# Ops of those namespaces that communicate nothing: waits, and funcol's autograd wrapper.
+NOT_COLLECTIVES = ("wait", "wait_tensor", "_wrap_tensor_autograd")
 OBJECT_COLLECTIVES = (
     "all_gather_object",
     "broadcast_object_list",
@@ -59,7 +61,7 @@ class Collectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if types and any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # DTensor: its own dispatch issues the plain collectives
-        if func.namespace in NAMESPACES and "wait" not in func._opname:
+        if func.namespace in NAMESPACES and func._opname not in NOT_COLLECTIVES:
             self.steps[-1][f"{func._opname} @ {_caller()}"] += 1
         return func(*args, **(kwargs or {}))
 
