@@ -15,12 +15,13 @@ each cache file is built under a file lock and renamed into place (llm/data/cach
 tokenizer.py), so it finds rank 0's files and loads them.
 
 No rank waits for the preparation inside a collective with a fixed timeout. Preparers work
-on a thread; meanwhile every rank's main thread takes part, once a second, in a small
-all-reduce of who is ready on a gloo group of its own whose timeout is
-``launcher.timeout_min``. So a preparation may take hours, while a rank that dies or hangs
-stops the others within ``launcher.timeout_min``; and no rank reaches the run's next
-collective until every rank has its data. Rank 0 prints a progress line every
-``PROGRESS_S``.
+on a thread; meanwhile every rank's main thread takes part, at least once a second, in a
+small all-reduce of who is ready on a gloo group of its own whose timeout is
+``launcher.timeout_min``. So a preparation may take hours, while a rank whose process dies
+or whose main thread hangs stops the others within ``launcher.timeout_min``, and no rank
+reaches the run's next collective until every rank has its data. Ranks still waiting
+``launcher.timeout_min`` after every preparer finished (a folder nobody prepares) stop
+with one line. Rank 0 prints a progress line every ``PROGRESS_S``.
 """
 
 from __future__ import annotations
