@@ -3,7 +3,9 @@ run on 2 gloo ranks per strategy, every collective of each step counted inside t
 (tests/collective_count_ranks.py), named by its op and the llm/ file that issued it.
 
 - no object collective (pickled, and under NCCL a host-device round trip) in any step,
-  logged or not: every rank's peaks travel in the logged step's one all-reduce;
+  logged or not: every rank's peaks travel in the logged step's one all-reduce. One
+  exception, in the first step only: torch's pipeline stages send their inferred shapes
+  as objects there (pp);
 - every step of a kind issues the same collectives, after the first two (DDP rebuilds its
   buckets at the second forward, FSDP2 initialises lazily in the first);
 - a logged step adds exactly one all-reduce to a step that is not logged, from the Trainer;
@@ -35,6 +37,10 @@ TWO = ("launcher.nproc_per_node=2", "train.micro_batch_size=2")
 MOE = ("model=moe-tiny", "model.moe.kernel=grouped")
 NORM = "llm/parallel/step.py"
 TRAINER = "llm/train/trainer.py"
+
+SHAPE_INFERENCE = {
+    f"object:{kind}_object_list @ llm/parallel/pipeline/schedule.py" for kind in ("send", "recv")
+}
 
 STRATEGIES = {
     "ddp": ("parallelism=ddp",),
@@ -80,8 +86,11 @@ def test_the_loop_holds_tensor_collectives_only(tmp_path, text_corpus, cache_dir
     ranks = _counts(tmp_path, text_corpus, cache_dir, STRATEGIES[name])
     for rank, steps in enumerate(ranks):
         assert sorted(steps) == list(range(1, STEPS)), steps
-        objects = {s: [k for k in c if k.startswith("object:")] for s, c in steps.items()}
-        assert not any(objects.values()), (rank, objects)
+        objects = {s: {k for k in c if k.startswith("object:")} for s, c in steps.items()}
+        # torch's pipeline stages infer their shapes in the schedule's first step, sending
+        # them as objects (start-up work, though it runs inside step 1).
+        first = SHAPE_INFERENCE if name == "pp" else set()
+        assert objects.pop(1) <= first and not any(objects.values()), (rank, objects)
         for kind in (LOGGED, NOT_LOGGED):
             first = steps[kind[0]]
             for step in kind[1:]:
