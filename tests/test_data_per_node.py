@@ -97,9 +97,12 @@ def _cache_files(root: Path) -> dict[str, bytes]:
     }
 
 
-def test_each_node_prepares_its_own_cache(tmp_path, corpus):
+def test_each_node_prepares_its_own_cache(tmp_path, corpus, capsys):
     caches = {"host": tmp_path / "cache_host", "other": tmp_path / "cache_other"}
     logs = _train_on_two_nodes(tmp_path, corpus, caches)
+    with capsys.disabled():
+        seconds = ", ".join(f"{n} {_prepared_seconds(log):.1f} s" for n, log in logs.items())
+        print(f"\npreparation (BPE and tokens) per node: {seconds}; timeout {TIMEOUT_MIN * 60:g} s")
     for name, log in logs.items():
         assert TRAINED.search(log), (name, log[-3000:])
         # Slower than the timeout: a collective waiting on it would have failed.
