@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 from llm.attention import resolve_for
 from llm.build import model_args_for, resolve_device
 from llm.config import Config, TrainConfig
-from llm.data import build_train_loader, build_val_loader, prepare_data, save_tokenizer
+from llm.data import build_train_loader, build_val_loader, save_tokenizer
+from llm.data.per_node import prepare_across_ranks
 from llm.data.prefetch import Prefetcher
 from llm.errors import ConfigError
 from llm.logging import NullLogger, RunLogger, run_log_moves_to
@@ -197,7 +198,10 @@ def _train(
     precision = precision_for(cfg, device)
     precision.apply_backend_flags()
     dims = _parallel_dims(cfg, env, device)
-    prepared = _prepare_data_rank0_first(cfg, env)
+    # Once per node, or once in all on a shared cache (a no-op when our launcher prepared).
+    prepared = prepare_across_ranks(
+        cfg.data, env.rank, env.local_rank, env.world_size, cfg.launcher.timeout_min
+    )
     if env.rank == 0:
         save_tokenizer(prepared.tokenizer, Path(cfg.output_dir))  # llm.generate decodes with it
     tracker.begin("startup")  # model build, wrap and optimizer: one phase of the peak tracker
@@ -380,26 +384,25 @@ def _flops_per_token(args, seq_len: int) -> dict[str, float]:
     }
 
 
-def _prepare_data_rank0_first(cfg: Config, env: RankEnv):
-    """Rank 0 trains the tokenizer and tokenises (a no-op when the launcher already did);
-    the others then load its caches instead of all doing the same work at once."""
-    if env.rank == 0:
-        prepared = prepare_data(cfg.data)
-    if dist.is_initialized():
-        dist.barrier()
-    return prepared if env.rank == 0 else prepare_data(cfg.data)
+_PER_RANK = (
+    "model_state_bytes",
+    "comm_bytes_per_step",
+    "memory_peak",
+    "memory_peak_by_phase",
+    "cuda_max_allocated_bytes",
+)
+_HIGHEST = ("peak_memory_bytes", "max_peak_memory_bytes", "process_peak_rss_bytes")
 
 
-def _memory_facts(summary: dict) -> dict:
-    """Peaks from every rank: per-rank lists, and the highest over ranks (None where no rank
-    measured one: tracking off on CPU)."""
-    per_rank = ("memory_peak", "memory_peak_by_phase", "cuda_max_allocated_bytes")
-    highest = ("peak_memory_bytes", "max_peak_memory_bytes", "process_peak_rss_bytes")
-    ranks = gather_object({key: summary[key] for key in per_rank + highest})
-    facts = {key: [r[key] for r in ranks] for key in per_rank}
+def _rank_facts(summary: dict) -> dict:
+    """Figures from every rank, in the run's one object gather at the end: per-rank lists
+    (so rank 0's summary holds every rank's), and the highest peaks over ranks (None where
+    no rank measured one: tracking off on CPU)."""
+    ranks = gather_object({key: summary[key] for key in _PER_RANK + _HIGHEST})
+    facts = {key: [r[key] for r in ranks] for key in _PER_RANK}
     if all(v is None for v in facts["cuda_max_allocated_bytes"]):
         del facts["cuda_max_allocated_bytes"]  # CPU
-    for key in highest:
+    for key in _HIGHEST:
         facts[key] = max((r[key] for r in ranks if r[key] is not None), default=None)
     return facts
 
@@ -408,10 +411,7 @@ def _run_facts(
     cfg: Config, env: RankEnv, device: torch.device, summary: dict, args, dims, precision
 ) -> dict:
     return {
-        # Per-rank figures are gathered so rank 0's summary holds every rank's.
-        "model_state_bytes": gather_object(summary["model_state_bytes"]),
-        "comm_bytes_per_step": gather_object(summary["comm_bytes_per_step"]),
-        **_memory_facts(summary),
+        **_rank_facts(summary),
         "world_size": env.world_size,
         "dp_size": dims.dp_size,
         "tp_size": dims.tp_size,

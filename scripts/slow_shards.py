@@ -36,6 +36,7 @@ SHARDS = {
         "tests/test_checkpoint.py",
         "tests/test_loss_scale.py",
         "tests/faults/test_cli_edges.py",
+        "tests/test_resize_patch.py",
     ],
     # Tensor, pipeline, expert and 2-D parallelism, DeepSpeed, FSDP, multi-node torchrun (about 27
     # min).
@@ -57,6 +58,8 @@ SHARDS = {
         "tests/test_generate_layouts.py",
         "tests/test_fp8_strategies.py",
         "tests/test_gpu_pass_nccl.py",
+        "tests/test_loop_collectives.py",
+        "tests/test_data_per_node.py",
     ],
     # Training runs: the README's commands, optimizers under strategies, recompute (with
     # op_sac under torch 2.11: about 2 min, and 2 more to install it the first time),

@@ -18,7 +18,13 @@ class LauncherConfig:
     # core refused (each rank holds a whole model and they fight for the cores), unless
     # this says it is meant (llm/validate/checks.py).
     allow_oversubscribe: bool = False
+    # How long a rank waits for a peer that shows no sign of life: the data preparation's
+    # wait (llm/data/per_node.py) gives up when a rank stops answering for this long, however
+    # long the preparation itself takes.
+    timeout_min: float = 10.0
 
     def __post_init__(self) -> None:
-        require_positive("launcher", nproc_per_node=self.nproc_per_node)
+        require_positive(
+            "launcher", nproc_per_node=self.nproc_per_node, timeout_min=self.timeout_min
+        )
         require_choice("launcher", "backend", self.backend, ("auto", "gloo", "nccl"))

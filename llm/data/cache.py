@@ -4,9 +4,11 @@ Layout under data.cache_dir: tokens/<corpus>-<format>-<corpus digest>-<tokenizer
 <split>.bin (raw uint16 or uint32), <split>.offsets.npy (int64, n_documents + 1) and
 <split>.sums.json (each file's size and checksum). All three are written to unique
 temporary names and moved into place with os.replace, the sums last: they are the mark of a
-complete cache. Two processes preparing at once write identical bytes, so whichever
-replace lands last leaves the same valid set. A cache whose files do not match its sums
-(a torn copy, a bad disk) is reported in one line and rebuilt.
+complete cache, so a reader never takes a partial one. The build runs under a file lock
+(<split>.lock beside them): processes preparing the same split at once, on one node or on
+nodes sharing the folder, build it once; the others wait for the lock and load what the
+first wrote. A cache whose files do not match its sums (a torn copy, a bad disk) is
+reported in one line and rebuilt.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from filelock import FileLock
 
 from llm.data.corpora import Corpus
 from llm.data.dataset import TokenDataset
@@ -135,8 +138,12 @@ def tokenized_split(corpus: Corpus, split: str, tokenizer: Tokenizer, root: Path
     if cached is not None:
         return cached
     directory.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    write_tokens(corpus.documents(split), tokenizer, paths)
+    with FileLock(directory / f"{split}.lock"):
+        # Another process may have built it while this one waited for the lock.
+        if (cached := load_tokens(paths, tokenizer)) is not None:
+            return cached
+        start = time.perf_counter()
+        write_tokens(corpus.documents(split), tokenizer, paths)
     data = load_tokens(paths, tokenizer)
     if data is None:
         raise DataError(

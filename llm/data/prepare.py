@@ -1,7 +1,8 @@
 """The entry points the run code calls: prepare the data once, then build loaders per rank.
 
 The launcher calls prepare_data before spawning ranks (training the tokenizer and writing
-the token caches); each rank calls it again and only loads what is on disk.
+the token caches); each rank calls it again, through llm.data.per_node, and only loads what
+is on disk. Under torchrun or Slurm per_node decides which rank of a node prepares.
 """
 
 from __future__ import annotations

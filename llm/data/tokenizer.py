@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 import tokenizers
+from filelock import FileLock
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llm.config import DataConfig
@@ -136,19 +137,26 @@ def load_or_train_bpe(corpus: Corpus, cfg: DataConfig) -> HFTokenizer:
     path = cache_root(cfg) / "tokenizers" / f"{key}.json"
     backend = _cached_bpe(path)
     if backend is None:
-        start = time.perf_counter()
-        backend = train_bpe(train_texts(corpus, cfg.tokenizer_train_bytes), cfg.vocab_size)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-        backend.save(str(tmp))
-        os.replace(tmp, path)  # atomic: a concurrent reader sees no file or a whole one
-        log.info(
-            "trained a %d-token BPE in %.1fs -> %s",
-            cfg.vocab_size,
-            time.perf_counter() - start,
-            path,
-        )
+        # Processes training the same tokenizer at once (one node's ranks, or nodes sharing
+        # the folder) train it once: the others wait here and read what the first wrote.
+        with FileLock(path.with_name(f"{path.name}.lock")):
+            backend = _cached_bpe(path)
+            if backend is None:
+                backend = _train_and_save(corpus, cfg, path)
     return HFTokenizer(backend, backend.token_to_id(EOS_TOKEN))
+
+
+def _train_and_save(corpus: Corpus, cfg: DataConfig, path: Path) -> tokenizers.Tokenizer:
+    start = time.perf_counter()
+    backend = train_bpe(train_texts(corpus, cfg.tokenizer_train_bytes), cfg.vocab_size)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    backend.save(str(tmp))
+    os.replace(tmp, path)  # atomic: a reader outside the lock sees no file or a whole one
+    log.info(
+        "trained a %d-token BPE in %.1fs -> %s", cfg.vocab_size, time.perf_counter() - start, path
+    )
+    return backend
 
 
 def _cached_bpe(path: Path) -> tokenizers.Tokenizer | None:

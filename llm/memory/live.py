@@ -33,6 +33,20 @@ CUDA_BLOCK = 512  # the caching allocator's rounding (c10/cuda/CUDACachingAlloca
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
+# torch's own resize_, and the ledgers that re-read sizes after it while they track.
+_RESIZE = torch.UntypedStorage.resize_
+_RESIZE_WATCHERS: list[LiveStorages] = []
+
+
+def _resize_and_remeasure(storage, *args, **kwargs):
+    """torch's resize_, called first with the caller's arguments exactly: the same return
+    value (the storage itself) and the same exceptions, before any ledger sees the call.
+    Then every tracking ledger re-reads the storage's size."""
+    out = _RESIZE(storage, *args, **kwargs)
+    for ledger in _RESIZE_WATCHERS:
+        ledger.resized(storage)
+    return out
+
 
 class Entry:
     """One live storage: its bytes now, its category, how many saved tensors hold it, and
@@ -107,7 +121,6 @@ class LiveStorages:
         # pipeline stage holds its most activations, and a strategy its most gradients, at
         # other moments than its highest total.
         self.high = dict.fromkeys(CATEGORIES, 0)
-        self._resize = None
 
     def nbytes(self, storage: torch.UntypedStorage) -> int:
         n = storage.nbytes()
@@ -182,21 +195,23 @@ class LiveStorages:
                 self.grow(entry, self.nbytes(storage))
 
     def wrap_resize(self) -> None:
-        """Re-read a storage's size whenever it is resized in place, until ``unwrap_resize``."""
-        self._resize = resize = torch.UntypedStorage.resize_
-        ledger = self
-
-        def resize_(storage, size):
-            out = resize(storage, size)
-            entry = ledger.live.get(storage._cdata)
-            if entry is not None:
-                ledger.grow(entry, ledger.nbytes(storage))
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
+        """Re-read a storage's size whenever it is resized in place, until ``unwrap_resize``.
+        One patch serves every ledger, installed while any tracks, so ledgers that start and
+        stop in any order always leave torch's own method behind."""
+        if self not in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.append(self)
+        torch.UntypedStorage.resize_ = _resize_and_remeasure
 
     def unwrap_resize(self) -> None:
-        torch.UntypedStorage.resize_ = self._resize
+        if self in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.remove(self)
+        if not _RESIZE_WATCHERS:
+            torch.UntypedStorage.resize_ = _RESIZE
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        entry = self.live.get(storage._cdata)
+        if entry is not None:
+            self.grow(entry, self.nbytes(storage))
 
     # ---- state and activations ---------------------------------------------------------
     def classify(self, state: dict[str, list[torch.Tensor]]) -> None:

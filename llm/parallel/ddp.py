@@ -56,6 +56,12 @@ class DDPStrategy(SingleStrategy):
         self.model = ddp
         return ddp
 
+    @property
+    def grads_same_on_every_rank(self) -> bool:
+        """After DDP's all-reduce every rank holds the same averaged gradients, so each
+        rank's norm is already the global one; expert slices differ between ep ranks."""
+        return not self.expert_shards
+
     # No `from __future__ import annotations` here: DDP checks this annotation at runtime.
     def _reduce_bucket(self, group: dist.ProcessGroup, bucket: dist.GradBucket):
         buffer = bucket.buffer()

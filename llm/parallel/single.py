@@ -49,6 +49,13 @@ class SingleStrategy(StrategyBase):
             for p in self._params_with_grads()
         ]
 
+    @property
+    def grads_same_on_every_rank(self) -> bool:
+        """Whether every rank holds the same gradients when the step begins, so the norm
+        needs no all-reduce (DDP's override). Not here: tensor and pipeline parallel ranks
+        hold different parts, and one process issues no collective anyway."""
+        return False
+
     def _params_with_grads(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.grad is not None]
 
@@ -103,6 +110,7 @@ class SingleStrategy(StrategyBase):
             self.device,
             self.grad_replicas,
             optimizer=self.optimizer,
+            same_on_every_rank=self.grads_same_on_every_rank,
         )
 
     def take_gradient_pass(self, extra: GradientPass, tokens: torch.Tensor) -> None:
@@ -113,6 +121,7 @@ class SingleStrategy(StrategyBase):
             lambda: extra.consume(tokens),
             self.device,
             self.grad_replicas,
+            same_on_every_rank=self.grads_same_on_every_rank,
         )
 
     def zero_grad(self) -> None:

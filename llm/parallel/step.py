@@ -2,7 +2,9 @@
 
 One all-reduce of the squared gradient norm finds both the clipping norm and overflow: an
 inf or nan on any rank or shard makes the sum non-finite everywhere, so every rank skips the
-same step without a second collective. Then unscale and clip in one pass (the clip
+same step without a second collective. Where every rank already holds the same gradients
+(DDP, whose all-reduce made them so) the local norm is the global one and no collective is
+issued. Then unscale and clip in one pass (the clip
 coefficient a device tensor), step, and update the loss scaler. Where the optimizer can skip
 a step on the device (torch's fused AdamW, given ``found_inf`` as GradScaler gives it) the
 step reads nothing on the host; elsewhere it reads one value, whether the norm is finite
@@ -59,12 +61,17 @@ def global_grad_norm(
     device: torch.device,
     grad_replicas: int | list[int],
     group: dist.ProcessGroup | None = None,
+    same_on_every_rank: bool = False,
 ) -> torch.Tensor:
     """L2 norm over every rank's gradients, a 0-d fp32 tensor on ``device``, not read on the
     host. ``grad_replicas``: how many ranks hold each element (the world size for replicas,
     1 when gradients are sharded), one number for all, or one per gradient (tensor parallel
     replicates norms and biases on its ranks but splits the matrices), so that no element
-    is counted twice."""
+    is counted twice. ``same_on_every_rank``: every rank holds the same gradients (DDP after
+    its all-reduce), so this rank's norm is the global one and no collective is issued; the
+    caller decides it from the strategy, never per rank, so all ranks skip it together."""
+    if same_on_every_rank:
+        return _squared_norm(grads).sqrt().float() if grads else torch.zeros((), device=device)
     if not grads:
         sq = torch.zeros((), device=device, dtype=torch.float64)
     elif isinstance(grad_replicas, int):
@@ -110,6 +117,7 @@ def overflow_checked_step(
     grad_replicas: int | list[int],
     group: dist.ProcessGroup | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    same_on_every_rank: bool = False,
 ) -> StepResult:
     """Skip the step on overflow, else unscale + clip ``grads`` in place and ``step()``.
 
@@ -127,7 +135,8 @@ def overflow_checked_step(
     and the norm is returned unread.
     """
     scale = scaler.scale
-    norm = global_grad_norm(grads, device, grad_replicas, group)  # of the scaled gradients
+    # Of the scaled gradients.
+    norm = global_grad_norm(grads, device, grad_replicas, group, same_on_every_rank)
     on_device = skips_on_device(optimizer, scaler)
     if not on_device and not torch.isfinite(norm).item():  # this path's one host sync
         scaler.update(found_inf=True)
@@ -179,11 +188,12 @@ def checked_gradient_pass(
     device: torch.device,
     grad_replicas: int | list[int],
     group: dist.ProcessGroup | None = None,
+    same_on_every_rank: bool = False,
 ) -> bool:
     """Hand an optimizer's extra gradient pass (llm/optim/gradient_pass.py) its reduced
     gradients, unscaled; skipped (False) when they are not finite on some rank, as a step
     would be. One all-reduce and one host read, on the steps that have a pass only."""
-    norm = global_grad_norm(grads, device, grad_replicas, group)
+    norm = global_grad_norm(grads, device, grad_replicas, group, same_on_every_rank)
     if not torch.isfinite(norm).item():
         return False
     if grads and scaler.scale != 1.0:

@@ -27,7 +27,7 @@ from llm.data import IGNORE, Batch
 from llm.errors import TrainingError
 from llm.memory import OUTSIDE, ActivationMemoryCounter, PeakTracker, find_layers
 from llm.optim import warmup_note
-from llm.parallel.dist import gather_object
+from llm.parallel.dist import global_rank, global_world_size
 from llm.parallel.step import StepResult, settle_skip
 from llm.parallel.tensor_parallel import local_loss
 from llm.recompute import RecomputePolicy
@@ -40,6 +40,7 @@ from llm.train.metrics import StepTimer, mfu, perplexity
 from llm.train.moe_stats import MoEStats
 from llm.train.monitor import Monitor
 from llm.train.probes import ProbeSchedule
+from llm.train.rank_peaks import own_rows, read_rows
 from llm.train.stop import StopRequested, stop_guard
 from llm.train.train_state import TrainState
 
@@ -135,6 +136,8 @@ class Trainer:
         self.batch_copies = strategy.dims.batch_copies
         self.loss_copies = strategy.dims.loss_copies
         self._pending: list[_UnreadStep] = []
+        # Every rank's (tracked peak, CUDA peak) of the last step read (``_read_pending``).
+        self._rank_peaks: list[tuple[dict | None, int | None]] = []
         # llm.run hands over the tracker that measured start-up, so the run has one.
         self.tracker = tracker or PeakTracker(device, cfg.train.memory_tracking)
         self.tracker.watch(strategy.state_tensors)
@@ -332,18 +335,27 @@ class Trainer:
         self.strategy.zero_grad()
 
     def _read_pending(self, timer: StepTimer) -> tuple[bool, dict | None]:
-        """Read every step since the last read in one host sync (their losses, and the last
-        step's MoE losses, all-reduced in one collective), account for them and run the
-        monitor on each. Every rank calls
-        this at the same steps. Returns (any rank asked to stop, the last step's metrics)."""
+        """Read every step since the last read in one host sync (their losses, the last
+        step's MoE losses and every rank's peaks of the last step, all-reduced in one
+        collective), account for them and run the monitor on each. Every rank calls this at
+        the same steps. Returns (any rank asked to stop, the last step's metrics)."""
         pending, self._pending = self._pending, []
         if not pending:
             return False, None
+        world = global_world_size()
         moe_losses = self.moe.logged_losses()
-        sums = _all_reduce_sum([p.loss_sum for p in pending] + moe_losses, self.device)
-        losses = sums[: len(pending)] / self.loss_copies
+        own = [_on_device(v, self.device) for v in [p.loss_sum for p in pending] + moe_losses]
+        peaks = own_rows(
+            self.tracker.last_step, self.tracker.last_cuda_peak, global_rank(), world, self.device
+        )
+        summed = torch.cat([torch.stack(own), peaks])
+        if dist.is_initialized():
+            dist.all_reduce(summed)
+        n, m = len(pending), len(moe_losses)
+        losses = summed[:n] / self.loss_copies
         if moe_losses:  # each dp rank's mean over its rows, held by its batch's every reader
-            self.moe.take_global(sums[len(pending) :] / (self.dp_size * self.batch_copies))
+            self.moe.take_global(summed[n : n + m] / (self.dp_size * self.batch_copies))
+        self._rank_peaks = read_rows(summed[n + m :].tolist(), world)
         rows = [
             torch.stack(
                 [
@@ -534,9 +546,10 @@ class Trainer:
         return out
 
     def _step_memory(self) -> dict:
-        """This step's peaks from every rank: the tracker's (when it tracked the step) and on
-        CUDA the allocator's; peak_memory_bytes is the highest, the allocator's on CUDA."""
-        ranks = gather_object((self.tracker.last_step, self.tracker.last_cuda_peak))
+        """This step's peaks from every rank (read with its losses, ``_read_pending``): the
+        tracker's (when it tracked the step) and on CUDA the allocator's; peak_memory_bytes
+        is the highest, the allocator's on CUDA."""
+        ranks = self._rank_peaks
         out = {}
         if all(peak is not None for peak, _ in ranks):
             out["memory_peak"] = [peak for peak, _ in ranks]
