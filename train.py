@@ -81,7 +81,7 @@ def _job(dict_cfg: DictConfig, env: RankEnv | None) -> float | None:
     JOBS.append(job)
     try:
         cfg = to_dataclass(dict_cfg)
-        validate(cfg, world_size=env.world_size if env else None)
+        validate(cfg, world_size=env.world_size if env else None, rank_env=env)
         if env is None or env.rank == 0:
             announce_estimate(cfg, env.world_size if env else cfg.launcher.nproc_per_node)
         try:

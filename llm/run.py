@@ -39,6 +39,7 @@ from llm.models import (
 )
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.binding import rank_device
 from llm.parallel.dist import RankEnv, gather_object, init_distributed
 from llm.parallel.experts.install import expert_mesh
 from llm.parallel.experts.install import install as install_experts
@@ -146,7 +147,9 @@ def _main(
 ) -> dict:
     device = resolve_device(cfg)
     if device.type == "cuda":
-        device = torch.device("cuda", env.local_rank)
+        # cuda:0 when this process sees one GPU (srun --gpus-per-task=1), its local rank's
+        # when it sees the node's; refused here, before any rank starts NCCL, otherwise.
+        device = rank_device(env, torch.cuda.device_count())
         torch.cuda.set_device(device)
     init_distributed(
         env, device, cfg.launcher.backend, env.world_size > 1 or cfg.parallelism.name != "single"

@@ -41,6 +41,8 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
     env = os.environ if env is None else env
     # torchrun and the deepspeed launcher both export the torch.distributed variables.
     if "RANK" in env and "WORLD_SIZE" in env:
+        # torchrun says LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
+        here = env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE"))
         return RankEnv(
             rank=int(env["RANK"]),
             local_rank=int(env.get("LOCAL_RANK", 0)),
@@ -48,6 +50,8 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
             init_method="env://",
+            local_world_size=int(here) if here and here.isdigit() else None,
+            binding_vars=binding_vars(env),
         )
     if _srun_step_tasks(env) > 1:
         return RankEnv(
@@ -59,8 +63,34 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
             master_port=int(
                 env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
             ),
+            local_world_size=_slurm_tasks_on_node(env),
+            binding_vars=binding_vars(env),
         )
     return None
+
+
+_BINDING_VARS = ("CUDA_VISIBLE_DEVICES", "SLURM_LOCALID", "LOCAL_RANK")
+
+
+def binding_vars(env) -> tuple[tuple[str, str], ...]:
+    """The variables that decide a rank's GPU (llm.parallel.binding), for its refusal."""
+    return tuple((name, env[name]) for name in _BINDING_VARS if name in env)
+
+
+def _slurm_tasks_on_node(env) -> int | None:
+    """This node's tasks in the job step: SLURM_STEP_TASKS_PER_NODE ("8(x2),4": 8 on each of
+    the first two nodes, 4 on the third) at SLURM_NODEID; None when Slurm does not say."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
+    counts = []
+    for part in filter(None, spec.split(",")):
+        count, _, repeat = part.partition("(x")
+        if not count.isdigit() or not (repeat.rstrip(")") or "1").isdigit():
+            return None
+        counts += [int(count)] * int(repeat.rstrip(")") or "1")
+    node = env.get("SLURM_NODEID", "0")
+    if not node.isdigit() or int(node) >= len(counts):
+        return None
+    return counts[int(node)]
 
 
 # Slurm numbers the steps srun starts from 0; its special steps (the batch script's, the
@@ -128,10 +158,12 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
-def export_local_rank(env: RankEnv) -> None:
+def export_local_rank(env: RankEnv) -> RankEnv:
     """Set LOCAL_RANK as torchrun and the deepspeed launcher do for the ranks we start:
-    DeepSpeed refuses to build an engine without it and places work on that device."""
+    DeepSpeed refuses to build an engine without it and places work on that device.
+    Returns ``env`` with the variables that decide its GPU."""
     os.environ["LOCAL_RANK"] = str(env.local_rank)
+    return dataclasses.replace(env, binding_vars=binding_vars(os.environ))
 
 
 def free_port() -> int:
@@ -182,9 +214,8 @@ def _launch(cfg: Config, record: dict[str, str] | None) -> dict:
         prepare_data(cfg.data)
         n = cfg.launcher.nproc_per_node
         if n == 1:
-            env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port())
-            export_local_rank(env)
-            return run.main(cfg, env)
+            env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port(), local_world_size=1)
+            return run.main(cfg, export_local_rank(env))
         return _spawn(cfg, n)
 
 
@@ -273,8 +304,8 @@ def _rank_entry(
         from llm import run
 
         rank_main = run.main
-    env = RankEnv(local_rank, local_rank, world_size, addr, port)
-    export_local_rank(env)
+    env = RankEnv(local_rank, local_rank, world_size, addr, port, local_world_size=world_size)
+    env = export_local_rank(env)
     ignore_in_rank(os.environ)  # submitit's preemption signal: the launcher passes it on
     try:
         # This rank's lines reach the run's train.log; a SIGTERM from here on is a stop.

@@ -21,6 +21,12 @@ class RankEnv:
     # "env://" under torchrun / deepspeed: their agent may already host the rendezvous store
     # on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), which a tcp:// init would collide with.
     init_method: str | None = None
+    # Ranks on this node (torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE,
+    # Slurm's tasks on this node, or ours); None where the launcher does not say.
+    local_world_size: int | None = None
+    # The variables that decided this rank's GPU, as (name, value), for a refusal to show
+    # (llm.parallel.binding): CUDA_VISIBLE_DEVICES, SLURM_LOCALID, LOCAL_RANK.
+    binding_vars: tuple[tuple[str, str], ...] = ()
 
     @property
     def init_url(self) -> str:
