@@ -36,6 +36,7 @@ SHARDS = {
         "tests/test_checkpoint.py",
         "tests/test_loss_scale.py",
         "tests/faults/test_cli_edges.py",
+        "tests/test_stop_latency.py",
     ],
     # Tensor, pipeline, expert and 2-D parallelism, DeepSpeed, FSDP, multi-node torchrun (about 27
     # min).
