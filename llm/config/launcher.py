@@ -18,7 +18,11 @@ class LauncherConfig:
     # core refused (each rank holds a whole model and they fight for the cores), unless
     # this says it is meant (llm/validate/checks.py).
     allow_oversubscribe: bool = False
+    # The process group's timeout: a collective that waits longer for its peers ends the
+    # run (NCCL's watchdog dumps every rank's last collectives first: llm/parallel/hangs.py).
+    timeout_min: float = 10.0
 
     def __post_init__(self) -> None:
         require_positive("launcher", nproc_per_node=self.nproc_per_node)
+        require_positive("launcher", timeout_min=self.timeout_min)
         require_choice("launcher", "backend", self.backend, ("auto", "gloo", "nccl"))

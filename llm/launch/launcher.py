@@ -26,6 +26,7 @@ from llm.launch.rank_failures import rank_failure, record_rank_failure
 from llm.launch.slurm_requeue import ignore_in_rank, requeue_on_preemption
 from llm.logging import run_log
 from llm.parallel.dist import RankEnv
+from llm.parallel.hangs import trace_prefix
 from llm.runfiles.run_dir_lock import RunDirLock
 from llm.runfiles.run_record import write_run_record
 from llm.train.checkpoint import describe
@@ -144,6 +145,26 @@ def set_cache_dirs(root: Path = REPO / ".cache") -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
 
 
+def enable_flight_recorder(run_dir: Path) -> str:
+    """Turn on NCCL's flight recorder for the ranks this process is or starts, unless the
+    user set its variables: each rank keeps its last 2000 collectives and dumps them when
+    one times out, to ``run_dir``/nccl_trace_rank_N (llm/parallel/hangs.py). Set before any
+    process group exists (torch reads them when it makes one); a value this process set for
+    an earlier job (a sweep, tests) is replaced. Returns the dumps' prefix in effect."""
+    wanted = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(trace_prefix(run_dir)),
+    }
+    for name, value in wanted.items():
+        if os.environ.get(name, _FLIGHT_RECORDER_SET.get(name)) == _FLIGHT_RECORDER_SET.get(name):
+            os.environ[name] = _FLIGHT_RECORDER_SET[name] = value
+    return os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+
+
+_FLIGHT_RECORDER_SET: dict[str, str] = {}  # what enable_flight_recorder set, by name
+
+
 def strip_launcher_args(argv: list[str]) -> list[str]:
     """Drop ``--local_rank=N`` / ``--local_rank N`` that the deepspeed launcher appends; the
     same rank arrives in the LOCAL_RANK variable, which external_rank_env reads."""
@@ -163,7 +184,11 @@ def export_local_rank(env: RankEnv) -> RankEnv:
     DeepSpeed refuses to build an engine without it and places work on that device.
     Returns ``env`` with the variables that decide its GPU."""
     os.environ["LOCAL_RANK"] = str(env.local_rank)
-    return dataclasses.replace(env, binding_vars=binding_vars(os.environ))
+    return dataclasses.replace(
+        env,
+        binding_vars=binding_vars(os.environ),
+        trace_prefix=os.environ.get("TORCH_FR_DUMP_TEMP_FILE"),
+    )
 
 
 def free_port() -> int:
@@ -204,6 +229,7 @@ def _launch(cfg: Config, record: dict[str, str] | None) -> dict:
     cfg = prepare_for_ranks(cfg)
     env = external_rank_env()
     if env is not None:
+        env = dataclasses.replace(env, trace_prefix=enable_flight_recorder(Path(cfg.output_dir)))
         with watch_agent(env):  # under torchrun: a lost agent or node, named in one line
             return run.main(cfg, env, lock_run_dir=True, record=record)
     # Taken before any work and any write, held until the ranks are done; the kernel frees
@@ -212,6 +238,7 @@ def _launch(cfg: Config, record: dict[str, str] | None) -> dict:
         write_run_record(Path(cfg.output_dir), record)
         # Tokenizer training and tokenising happen once here, not once per rank.
         prepare_data(cfg.data)
+        enable_flight_recorder(Path(cfg.output_dir))  # spawned ranks inherit it
         n = cfg.launcher.nproc_per_node
         if n == 1:
             env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port(), local_world_size=1)
@@ -258,7 +285,13 @@ def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | N
     except mp.ProcessExitedException as exc:
         if not received:
             raise TrainingError(
-                rank_failure(errors, exc.error_index, exc.exit_code, exc.signal_name)
+                rank_failure(
+                    errors,
+                    exc.error_index,
+                    exc.exit_code,
+                    exc.signal_name,
+                    os.environ.get("TORCH_FR_DUMP_TEMP_FILE"),
+                )
             ) from None
         name = signal.Signals(received[0]).name
         message = stopped_message(cfg, name)
