@@ -5,8 +5,9 @@ typed schemas in llm/config/ and by llm/validate/ before any rank starts, then
 llm/launch/launcher.py runs it (spawning local ranks, or as one rank of torchrun / Slurm /
 deepspeed).
 Before Hydra runs, the signal guard is installed (a signal at any moment stops the run
-with a checkpoint), override keys are checked for typos and the disk for room, so none of
-these ends in a traceback or leaves a folder behind.
+with a checkpoint), override keys are checked for typos, the run directory's folder for
+write access and its disk for room, so none of these ends in a traceback or leaves a folder
+behind.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _job(dict_cfg: DictConfig, env: RankEnv | None) -> float | None:
     JOBS.append(job)
     try:
         cfg = to_dataclass(dict_cfg)
-        validate(cfg, world_size=env.world_size if env else None)
+        validate(cfg, world_size=env.world_size if env else None, rank_env=env)
         if env is None or env.rank == 0:
             announce_estimate(cfg, env.world_size if env else cfg.launcher.nproc_per_node)
         try:
@@ -111,12 +112,13 @@ def _job(dict_cfg: DictConfig, env: RankEnv | None) -> float | None:
 
 def cli(argv: list[str]) -> int:
     """train.py's command line: the exit status. Signals are recorded from the start (the
-    terminal's owner says at once what happens next); typos in override keys and a full
-    disk are refused in one line before Hydra writes anything."""
+    terminal's owner says at once what happens next); typos in override keys, a run
+    directory that cannot be written and a full disk are refused in one line before Hydra
+    writes anything."""
     from llm.launch.cli_report import print_sweep_table
     from llm.launch.launcher import external_rank_env, strip_launcher_args
     from llm.logging import say
-    from llm.runfiles.preflight import check_disk, check_override_keys
+    from llm.runfiles.preflight import check_disk, check_override_keys, check_run_dir_writable
     from llm.train.stop import exit_code, stop_guard
 
     env = external_rank_env()
@@ -125,6 +127,7 @@ def cli(argv: list[str]) -> int:
     with stop_guard(announce=env is None or env.rank == 0):
         try:
             check_override_keys(argv)
+            check_run_dir_writable(argv)
             check_disk(argv)
         except LabError as exc:
             say(f"error: {exc}", logging.ERROR)

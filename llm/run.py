@@ -23,7 +23,7 @@ from llm.config import Config, TrainConfig
 from llm.data import build_train_loader, build_val_loader, save_tokenizer
 from llm.data.per_node import prepare_across_ranks
 from llm.data.prefetch import Prefetcher
-from llm.errors import ConfigError
+from llm.errors import ConfigError, TrainingError
 from llm.logging import NullLogger, RunLogger, run_log_moves_to
 from llm.memory import PeakTracker
 from llm.models import (
@@ -40,9 +40,11 @@ from llm.models import (
 )
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
+from llm.parallel.binding import rank_device
 from llm.parallel.dist import RankEnv, gather_object, init_distributed
 from llm.parallel.experts.install import expert_mesh
 from llm.parallel.experts.install import install as install_experts
+from llm.parallel.hangs import collective_timeout, trace_prefix
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
 from llm.parallel.tensor_parallel import apply_tensor_parallel
 from llm.precision import apply_precision, build_loss_scaler, precision_for
@@ -139,7 +141,14 @@ def main(cfg: Config, env: RankEnv, lock_run_dir: bool = False, record: dict | N
     run's .hydra files, llm.runfiles.run_record). Signals are recorded from here to the end
     (llm.train.stop): a stop at any moment leaves the newest completed step saved."""
     with stop_guard() as stop:
-        return _main(cfg, env, lock_run_dir, stop, record)
+        try:
+            return _main(cfg, env, lock_run_dir, stop, record)
+        except RuntimeError as exc:  # a collective's timeout: one line naming it
+            prefix = Path(env.trace_prefix or trace_prefix(Path(cfg.output_dir)))
+            line = collective_timeout(exc, env.rank, cfg.launcher.timeout_min, prefix)
+            if line is None:
+                raise
+            raise TrainingError(line) from exc
 
 
 def _main(
@@ -147,10 +156,16 @@ def _main(
 ) -> dict:
     device = resolve_device(cfg)
     if device.type == "cuda":
-        device = torch.device("cuda", env.local_rank)
+        # cuda:0 when this process sees one GPU (srun --gpus-per-task=1), its local rank's
+        # when it sees the node's; refused here, before any rank starts NCCL, otherwise.
+        device = rank_device(env, torch.cuda.device_count())
         torch.cuda.set_device(device)
     init_distributed(
-        env, device, cfg.launcher.backend, env.world_size > 1 or cfg.parallelism.name != "single"
+        env,
+        device,
+        cfg.launcher.backend,
+        env.world_size > 1 or cfg.parallelism.name != "single",
+        cfg.launcher.timeout_min,
     )
     if dist.is_initialized() and env.world_size > 1:
         # Under torchrun/Slurm every rank ran Hydra and may have its own timestamped run

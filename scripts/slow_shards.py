@@ -37,6 +37,7 @@ SHARDS = {
         "tests/test_loss_scale.py",
         "tests/faults/test_cli_edges.py",
         "tests/test_resize_patch.py",
+        "tests/test_stop_latency.py",
     ],
     # Tensor, pipeline, expert and 2-D parallelism, DeepSpeed, FSDP, multi-node torchrun (about 27
     # min).
@@ -60,6 +61,7 @@ SHARDS = {
         "tests/test_gpu_pass_nccl.py",
         "tests/test_loop_collectives.py",
         "tests/test_data_per_node.py",
+        "tests/test_collective_timeout.py",
     ],
     # Training runs: the README's commands, optimizers under strategies, recompute (with
     # op_sac under torch 2.11: about 2 min, and 2 more to install it the first time),

@@ -102,12 +102,20 @@ def test_top_k_1_is_greedy_and_eos_stops(bpe_run):
     assert stopped.tokens[0] == greedy[: greedy.index(greedy[-1]) + 1]
 
 
-def test_newest_corrupt_checkpoint_is_skipped(bpe_run, tmp_path):
+def test_newest_corrupt_checkpoint_is_skipped(bpe_run, tmp_path, capsys):
+    """Skipped, and said so with its problem, as training's resume says it."""
     copy = tmp_path / "run"
     shutil.copytree(bpe_run, copy)
     data = max((copy / "checkpoints/step_000006").glob("*.distcp"), key=lambda p: p.stat().st_size)
-    data.write_bytes(data.read_bytes()[:100])
+    data_bytes = data.read_bytes()
+    data.write_bytes(data_bytes[:100])
+    capsys.readouterr()
     assert run(_gen(copy), tmp_path / "g")["step"] == 3
+    said = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    assert said == [
+        f"skipped checkpoint {copy}/checkpoints/step_000006: it is corrupt ({data.name} has "
+        f"100 bytes, {len(data_bytes)} were written); trying the one before it"
+    ]
     data3 = max((copy / "checkpoints/step_000003").glob("*.distcp"), key=lambda p: p.stat().st_size)
     data3.write_bytes(data3.read_bytes()[:100])
     with pytest.raises(CheckpointError) as err:

@@ -18,9 +18,11 @@ class LauncherConfig:
     # core refused (each rank holds a whole model and they fight for the cores), unless
     # this says it is meant (llm/validate/checks.py).
     allow_oversubscribe: bool = False
-    # How long a rank waits for a peer that shows no sign of life: the data preparation's
-    # wait (llm/data/per_node.py) gives up when a rank stops answering for this long, however
-    # long the preparation itself takes.
+    # How long a rank waits for a peer that shows no sign of life: the process group's
+    # timeout (a collective that waits longer ends the run, and NCCL's watchdog dumps every
+    # rank's last collectives first: llm/parallel/hangs.py), and the data preparation's wait
+    # (llm/data/per_node.py), which gives up when a rank stops answering for this long,
+    # however long the preparation itself takes.
     timeout_min: float = 10.0
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ checkpoint written before it did falls back to the run's .hydra/config.yaml for 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +20,18 @@ from omegaconf import OmegaConf
 
 from llm.data import TOKENIZER_FILE, ByteTokenizer, Tokenizer, load_tokenizer
 from llm.errors import CheckpointError, ConfigError
+from llm.logging import say
 from llm.models import HFSource, ModelArgs, Transformer, build_model, materialize_from
 from llm.models.args import MoEArgs, RopeScaling
 from llm.train.checkpoint import SAVE_OR_LOAD_ERRORS, describe, single_process_quiet
-from llm.train.checkpoint_files import META, file_problem, list_checkpoints, read_meta, step_of
+from llm.train.checkpoint_files import (
+    META,
+    file_problem,
+    list_checkpoints,
+    read_meta,
+    skipped_line,
+    step_of,
+)
 
 
 @dataclass
@@ -34,7 +43,8 @@ class Loaded:
 
 
 def newest_verified(run_dir: Path) -> Path:
-    """The newest checkpoint of ``run_dir`` whose files match meta.json (size and checksum)."""
+    """The newest checkpoint of ``run_dir`` whose files match meta.json (size and checksum);
+    each newer one it passes over is named with its problem, as training's resume does."""
     folder = run_dir / "checkpoints"
     found = list_checkpoints(folder)
     if not found:
@@ -43,8 +53,9 @@ def newest_verified(run_dir: Path) -> Path:
             "checkpoint.enabled=true, or give generate.checkpoint"
         )
     for candidate in reversed(found):
-        if checkpoint_problem(candidate) is None:
+        if (problem := checkpoint_problem(candidate)) is None:
             return candidate
+        say(skipped_line(candidate, problem), logging.WARNING)
     raise CheckpointError(
         f"no checkpoint in {folder} verifies (the newest, {found[-1].name}: "
         f"{checkpoint_problem(found[-1])}); give a good one with generate.checkpoint"

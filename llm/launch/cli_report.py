@@ -8,7 +8,10 @@ import json
 import shutil
 from pathlib import Path
 
+from llm.errors import ConfigError
 from llm.logging import say
+from llm.runfiles.run_dir_lock import LOCK_FILE, RunDirLock
+from llm.runfiles.run_record import RECORD_DIR
 from llm.train.checkpoint_files import list_checkpoints
 
 
@@ -66,20 +69,33 @@ def print_sweep_table(jobs: list[dict]) -> None:
 
 
 def remove_unused_run_dir(run_dir: Path, levels: int = 3) -> None:
-    """Remove ``run_dir`` when it holds nothing but the empty log Hydra made for this job
-    (hydra/job_logging's ``<job name>.log``: a config refused before any work), then its parents up to ``levels`` that are left
-    empty (outputs/DATE/TIME). A folder with anything else in it (a live run's lock, an
-    earlier run's files) is kept."""
+    """Remove ``run_dir`` when a refused run left nothing in it but what starting wrote:
+    Hydra's log of the job (hydra/job_logging's ``<job name>.log``), and, when it was
+    refused after the launcher took the folder (a corpus that cannot be read, say), the run
+    record (``.hydra/``) and the lock file. Then its parents up to ``levels`` that are left
+    empty (outputs/DATE/TIME). A folder with anything else in it (an earlier run's files, a
+    rank's failure record) is kept, and so is one whose lock a live run holds."""
     run_dir = Path(run_dir).resolve()
-    if not run_dir.is_dir():
+    if not run_dir.is_dir() or not all(_left_by_starting(e) for e in run_dir.iterdir()):
         return
-    entries = list(run_dir.iterdir())
-    if any(e.suffix != ".log" or not e.is_file() or e.stat().st_size > 0 for e in entries):
+    lock = RunDirLock(run_dir)
+    try:
+        lock.acquire()
+    except ConfigError:  # a live run started there meanwhile: its folder
         return
-    shutil.rmtree(run_dir)
+    try:
+        shutil.rmtree(run_dir)
+    finally:
+        lock.release()
     parent = run_dir.parent
     for _ in range(levels - 1):
         if parent == Path.cwd() or not parent.is_dir() or any(parent.iterdir()):
             return
         parent.rmdir()
         parent = parent.parent
+
+
+def _left_by_starting(entry: Path) -> bool:
+    if entry.name == RECORD_DIR:
+        return entry.is_dir() and all(f.is_file() for f in entry.iterdir())
+    return entry.is_file() and (entry.name == LOCK_FILE or entry.suffix == ".log")

@@ -26,6 +26,7 @@ from llm.launch.rank_failures import rank_failure, record_rank_failure
 from llm.launch.slurm_requeue import ignore_in_rank, requeue_on_preemption
 from llm.logging import run_log
 from llm.parallel.dist import RankEnv
+from llm.parallel.hangs import trace_prefix
 from llm.runfiles.run_dir_lock import RunDirLock
 from llm.runfiles.run_record import write_run_record
 from llm.train.checkpoint import describe
@@ -41,6 +42,8 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
     env = os.environ if env is None else env
     # torchrun and the deepspeed launcher both export the torch.distributed variables.
     if "RANK" in env and "WORLD_SIZE" in env:
+        # torchrun says LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
+        here = env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE"))
         return RankEnv(
             rank=int(env["RANK"]),
             local_rank=int(env.get("LOCAL_RANK", 0)),
@@ -48,6 +51,8 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
             init_method="env://",
+            local_world_size=int(here) if here and here.isdigit() else None,
+            binding_vars=binding_vars(env),
         )
     if _srun_step_tasks(env) > 1:
         return RankEnv(
@@ -59,8 +64,34 @@ def external_rank_env(env: dict[str, str] | None = None) -> RankEnv | None:
             master_port=int(
                 env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
             ),
+            local_world_size=_slurm_tasks_on_node(env),
+            binding_vars=binding_vars(env),
         )
     return None
+
+
+_BINDING_VARS = ("CUDA_VISIBLE_DEVICES", "SLURM_LOCALID", "LOCAL_RANK")
+
+
+def binding_vars(env) -> tuple[tuple[str, str], ...]:
+    """The variables that decide a rank's GPU (llm.parallel.binding), for its refusal."""
+    return tuple((name, env[name]) for name in _BINDING_VARS if name in env)
+
+
+def _slurm_tasks_on_node(env) -> int | None:
+    """This node's tasks in the job step: SLURM_STEP_TASKS_PER_NODE ("8(x2),4": 8 on each of
+    the first two nodes, 4 on the third) at SLURM_NODEID; None when Slurm does not say."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
+    counts = []
+    for part in filter(None, spec.split(",")):
+        count, _, repeat = part.partition("(x")
+        if not count.isdigit() or not (repeat.rstrip(")") or "1").isdigit():
+            return None
+        counts += [int(count)] * int(repeat.rstrip(")") or "1")
+    node = env.get("SLURM_NODEID", "0")
+    if not node.isdigit() or int(node) >= len(counts):
+        return None
+    return counts[int(node)]
 
 
 # Slurm numbers the steps srun starts from 0; its special steps (the batch script's, the
@@ -114,6 +145,26 @@ def set_cache_dirs(root: Path = REPO / ".cache") -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
 
 
+def enable_flight_recorder(run_dir: Path) -> str:
+    """Turn on NCCL's flight recorder for the ranks this process is or starts, unless the
+    user set its variables: each rank keeps its last 2000 collectives and dumps them when
+    one times out, to ``run_dir``/nccl_trace_rank_N (llm/parallel/hangs.py). Set before any
+    process group exists (torch reads them when it makes one); a value this process set for
+    an earlier job (a sweep, tests) is replaced. Returns the dumps' prefix in effect."""
+    wanted = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(trace_prefix(run_dir)),
+    }
+    for name, value in wanted.items():
+        if os.environ.get(name, _FLIGHT_RECORDER_SET.get(name)) == _FLIGHT_RECORDER_SET.get(name):
+            os.environ[name] = _FLIGHT_RECORDER_SET[name] = value
+    return os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+
+
+_FLIGHT_RECORDER_SET: dict[str, str] = {}  # what enable_flight_recorder set, by name
+
+
 def strip_launcher_args(argv: list[str]) -> list[str]:
     """Drop ``--local_rank=N`` / ``--local_rank N`` that the deepspeed launcher appends; the
     same rank arrives in the LOCAL_RANK variable, which external_rank_env reads."""
@@ -128,10 +179,16 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
-def export_local_rank(env: RankEnv) -> None:
+def export_local_rank(env: RankEnv) -> RankEnv:
     """Set LOCAL_RANK as torchrun and the deepspeed launcher do for the ranks we start:
-    DeepSpeed refuses to build an engine without it and places work on that device."""
+    DeepSpeed refuses to build an engine without it and places work on that device.
+    Returns ``env`` with the variables that decide its GPU."""
     os.environ["LOCAL_RANK"] = str(env.local_rank)
+    return dataclasses.replace(
+        env,
+        binding_vars=binding_vars(os.environ),
+        trace_prefix=os.environ.get("TORCH_FR_DUMP_TEMP_FILE"),
+    )
 
 
 def free_port() -> int:
@@ -172,6 +229,7 @@ def _launch(cfg: Config, record: dict[str, str] | None) -> dict:
     cfg = prepare_for_ranks(cfg)
     env = external_rank_env()
     if env is not None:
+        env = dataclasses.replace(env, trace_prefix=enable_flight_recorder(Path(cfg.output_dir)))
         with watch_agent(env):  # under torchrun: a lost agent or node, named in one line
             return run.main(cfg, env, lock_run_dir=True, record=record)
     # Taken before any work and any write, held until the ranks are done; the kernel frees
@@ -180,11 +238,11 @@ def _launch(cfg: Config, record: dict[str, str] | None) -> dict:
         write_run_record(Path(cfg.output_dir), record)
         # Tokenizer training and tokenising happen once here, not once per rank.
         prepare_data(cfg.data)
+        enable_flight_recorder(Path(cfg.output_dir))  # spawned ranks inherit it
         n = cfg.launcher.nproc_per_node
         if n == 1:
-            env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port())
-            export_local_rank(env)
-            return run.main(cfg, env)
+            env = RankEnv(0, 0, 1, cfg.launcher.master_addr, free_port(), local_world_size=1)
+            return run.main(cfg, export_local_rank(env))
         return _spawn(cfg, n)
 
 
@@ -227,7 +285,13 @@ def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | N
     except mp.ProcessExitedException as exc:
         if not received:
             raise TrainingError(
-                rank_failure(errors, exc.error_index, exc.exit_code, exc.signal_name)
+                rank_failure(
+                    errors,
+                    exc.error_index,
+                    exc.exit_code,
+                    exc.signal_name,
+                    os.environ.get("TORCH_FR_DUMP_TEMP_FILE"),
+                )
             ) from None
         name = signal.Signals(received[0]).name
         message = stopped_message(cfg, name)
@@ -273,8 +337,8 @@ def _rank_entry(
         from llm import run
 
         rank_main = run.main
-    env = RankEnv(local_rank, local_rank, world_size, addr, port)
-    export_local_rank(env)
+    env = RankEnv(local_rank, local_rank, world_size, addr, port, local_world_size=world_size)
+    env = export_local_rank(env)
     ignore_in_rank(os.environ)  # submitit's preemption signal: the launcher passes it on
     try:
         # This rank's lines reach the run's train.log; a SIGTERM from here on is a stop.

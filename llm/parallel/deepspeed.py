@@ -53,6 +53,7 @@ from llm.models import WeightSource, materialize_from
 from llm.optim import GradientPass, build_optimizer, optimizer_param_groups
 from llm.parallel import ds_checkpoint as ckpt
 from llm.parallel.ds_config import checked_ds_config
+from llm.parallel.ds_ops import SHM_COMM, announce_builds, optimizer_ops
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult
 from llm.parallel.strategy import refuse_optimizer, register_strategy
@@ -147,6 +148,8 @@ class DeepSpeedStrategy:
         # destroy_process_group, while llm.run destroys torch's: a second run in this process
         # (a sweep, a test) must not reuse the first run's dead groups.
         ds_groups._release_process_group_references()
+        if device.type == "cpu":
+            announce_builds([SHM_COMM])  # init_distributed builds it on the CPU accelerator
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         self.engine = None
         self.inner: torch.optim.Optimizer | None = None
@@ -175,6 +178,7 @@ class DeepSpeedStrategy:
         # optimizer, stepped on DeepSpeed's flat fp32 partitions (element-wise ones only:
         # llm.parallel.strategy.refuse_optimizer).
         client = None if "optimizer" in self.ds_config else build_optimizer(model, opt_cfg)
+        announce_builds(optimizer_ops(self.ds_config, self.device))
         if client is None and self.cfg.offload_optimizer:
             _require_cpu_adam()
         self.engine, *_ = deepspeed.initialize(

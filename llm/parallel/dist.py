@@ -21,14 +21,26 @@ class RankEnv:
     # "env://" under torchrun / deepspeed: their agent may already host the rendezvous store
     # on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), which a tcp:// init would collide with.
     init_method: str | None = None
+    # Ranks on this node (torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE,
+    # Slurm's tasks on this node, or ours); None where the launcher does not say.
+    local_world_size: int | None = None
+    # The variables that decided this rank's GPU, as (name, value), for a refusal to show
+    # (llm.parallel.binding): CUDA_VISIBLE_DEVICES, SLURM_LOCALID, LOCAL_RANK.
+    binding_vars: tuple[tuple[str, str], ...] = ()
+    # Where NCCL's flight recorder dumps this rank's last collectives on a timeout
+    # (TORCH_FR_DUMP_TEMP_FILE, to which torch appends the rank; llm.parallel.hangs).
+    trace_prefix: str | None = None
 
     @property
     def init_url(self) -> str:
         return self.init_method or f"tcp://{self.master_addr}:{self.master_port}"
 
 
-def init_distributed(env: RankEnv, device: torch.device, backend: str, needed: bool) -> None:
-    """Join the process group (nccl on GPU, gloo on CPU for backend="auto")."""
+def init_distributed(
+    env: RankEnv, device: torch.device, backend: str, needed: bool, timeout_min: float = 10.0
+) -> None:
+    """Join the process group (nccl on GPU, gloo on CPU for backend="auto"); a collective
+    that waits ``timeout_min`` minutes for its peers times out (launcher.timeout_min)."""
     if not needed or dist.is_initialized():
         return
     if backend == "auto":
@@ -38,7 +50,7 @@ def init_distributed(env: RankEnv, device: torch.device, backend: str, needed: b
         init_method=env.init_url,
         rank=env.rank,
         world_size=env.world_size,
-        timeout=timedelta(minutes=10),
+        timeout=timedelta(minutes=timeout_min),
     )
 
 

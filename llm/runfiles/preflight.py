@@ -1,15 +1,17 @@
 """What train.py checks on its command line before Hydra runs (and writes anything): the
-override keys, and room on the disk that will hold the run directory.
+override keys, that the run directory can be made, and room on its disk.
 
 Hydra answers a misspelt key (``train.max_stepz=5``) with advice to add ``+``, which would
-add the typo, and a disk already full with an OSError traceback from its first write;
-these checks give one line each instead, before any folder exists.
+add the typo, and a folder it cannot write (read-only for this user, a read-only mount, a
+path under a file) or a disk already full with a PermissionError or OSError traceback from
+its first write; these checks give one line each instead, before any folder exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from pathlib import Path
 
@@ -93,4 +95,24 @@ def check_disk(argv: list[str]) -> None:
         raise DiskFullError(
             f"no space left on the disk of {root} ({free / MB:.1f} MB free) to start a run; "
             "free space there or point hydra.run.dir at a disk with room"
+        )
+
+
+def check_run_dir_writable(argv: list[str]) -> None:
+    """ConfigError when the run directory cannot be made: the folder it would be made in
+    (its nearest existing ancestor) is not a folder, or this user cannot write there (a
+    read-only folder or mount: access(2) answers both, and root's right to write anywhere)."""
+    root = run_root(argv)
+    existing = Path(os.path.abspath(root))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fix = "point hydra.run.dir (hydra.sweep.dir under -m) at a folder you can write"
+    if not existing.is_dir():
+        raise ConfigError(
+            f"cannot make the run directory under {root}: {existing} is a file; {fix}"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"cannot make the run directory under {root}: {existing} is not writable (a "
+            f"read-only folder or mount); {fix}, or make {existing} writable"
         )

@@ -51,6 +51,7 @@ from llm.train.checkpoint_files import (
     remove_stale_writes,
     rng_state,
     set_rng_state,
+    skipped_line,
     state_bytes,
     step_of,
     write_meta,
@@ -241,10 +242,7 @@ class Checkpointer:
                 self._verified.add(candidate)
                 return candidate
             problems.append(problem)
-            self.notes.append(
-                f"skipped checkpoint {candidate}: it is corrupt ({problem}); trying the one "
-                "before it"
-            )
+            self.notes.append(skipped_line(candidate, problem))
         if found:
             raise CheckpointError(
                 f"no checkpoint in {folder} verifies (the newest, {found[-1].name}: "

@@ -61,6 +61,12 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
+def skipped_line(path: Path, problem: str) -> str:
+    """What a reader says of a corrupt checkpoint it passed over for an older one (training's
+    resume=auto and python -m llm.generate say it alike)."""
+    return f"skipped checkpoint {path}: it is corrupt ({problem}); trying the one before it"
+
+
 def own_files(folder: Path, rank: int) -> list[Path]:
     """The files rank ``rank`` wrote into a checkpoint folder: its RNG states and its DCP
     data files, which DCP names ``__{rank}_{i}.distcp``."""

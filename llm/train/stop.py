@@ -4,12 +4,12 @@ One guard per process, installed as early as the process can (train.py before Hy
 a spawned rank before it builds anything) and kept until the process ends, so no moment
 of a run (start-up, a step, an evaluation, a checkpoint write, the final save, shutdown)
 falls back to Python's default handlers. SIGTERM and the first SIGINT only set a flag: the
-loop saves a checkpoint and exits at the next step whose results are read (a logged or
-checkpoint step, since every rank must see the vote at the same step), and the moments
-outside the loop ask the flag themselves (llm.train.trainer). A second Ctrl-C stops at
-once (KeyboardInterrupt): checkpoints are written atomically, so the newest complete one
-stays the newest. Slurm preemption sends SIGTERM some time before SIGKILL (``--signal``),
-which must cover the steps to the next read one.
+loop saves a checkpoint and exits at the next step boundary where every rank has seen the
+vote (within 2 steps: llm.train.stop_vote), an evaluation ends between two batches, and the
+moments outside the loop ask the flag themselves (llm.train.trainer). A second Ctrl-C stops
+at once (KeyboardInterrupt): checkpoints are written atomically, so the newest complete one
+stays the newest. Slurm sends SIGTERM some time before SIGKILL (``--signal``, or
+``KillWait`` alone), which must cover those steps and the save (docs/cluster.md).
 """
 
 from __future__ import annotations

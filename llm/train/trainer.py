@@ -2,10 +2,11 @@
 the strategy protocol (llm/parallel/strategy.py).
 
 Steps that are not logged do not wait for the device: the loss, the global target-token
-count, the stop vote, the gradient norm and the step time stay on the device (CUDA events
-for the time) and are read together, in one host sync, on logged steps, before a checkpoint
+count, the gradient norm and the step time stay on the device (CUDA events for the time)
+and are read together, in one host sync, on logged steps, before a checkpoint, on a stop
 and at the end (``_read_pending``), with whether the step was skipped where the optimizer
-decided that on the device. The monitor then checks every step read. The one read a step
+decided that on the device. The stop vote is read at every step boundary without a host
+sync (llm/train/stop_vote.py). The monitor then checks every step read. The one read a step
 still makes, where the optimizer cannot skip on the device, is the overflow check's
 (llm/parallel/step.py).
 
@@ -42,6 +43,7 @@ from llm.train.monitor import Monitor
 from llm.train.probes import ProbeSchedule
 from llm.train.rank_peaks import own_rows, read_rows
 from llm.train.stop import StopRequested, stop_guard
+from llm.train.stop_vote import StopVote
 from llm.train.train_state import TrainState
 
 
@@ -396,12 +398,18 @@ class Trainer:
         return stop, metrics
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, stop: StopRequested | None = None) -> float | None:
+        """The validation loss over the whole fixed set; None when a stop signal reached
+        any rank first (``stop``: read between batches, llm.train.stop_vote)."""
         self.model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         schedule = self.strategy.schedule
+        vote = StopVote(self.device)
         for batch in self.val_loader:
+            if stop is not None and vote.of_batch(stop.requested):
+                self.model.train()
+                return None
             batch = self._batch_to(batch, lambda t: t.to(self.device))
             x, y, docs = batch
             with self.strategy.loss_context(training=False):
@@ -452,31 +460,39 @@ class Trainer:
             # from, if any, is still the newest; no step has completed since).
             if self._any_rank_stopping(stop):
                 return self._stopped(stop, save=False)
+            vote = StopVote(self.device)
             while self.state.step < last:
                 with timer.step():
                     self._pending.append(self.train_step(timer, stop))
                 self.state.step += 1
                 self._account(self._pending[-1])
+                # Read at every step boundary, without waiting for the device
+                # (llm/train/stop_vote.py); a stop reads, logs and saves this step.
+                stop_now = vote.seen(self._pending[-1].stop_votes, stop.requested)
                 every = self.cfg.checkpoint.every
                 saves = every and self.state.step % every == 0 and self.state.step < t.max_steps
-                logs = self.probes.logs(self.state.step)
+                logs = self.probes.logs(self.state.step) or stop_now
                 # A checkpoint carries tokens_seen: read the steps before saving one.
-                stop_now, metrics = self._read_pending(timer) if logs or saves else (False, None)
+                if logs or saves:
+                    voted, metrics = self._read_pending(timer)
+                    stop_now = stop_now or voted
                 self.logger.advance(self.state.step, self.state.last_loss, self._last_tps())
                 if logs:
                     self.logger.log(self.state.step, self._log_metrics(metrics))
-                if self.state.step % t.eval_every == 0 and self.state.step < t.max_steps:
-                    self._eval_and_log()
-                if saves:
-                    self.save()
                 if stop_now:
                     return self._stopped(stop, save=True)
+                evals = self.state.step % t.eval_every == 0 and self.state.step < t.max_steps
+                if evals and not self._eval_and_log(stop):
+                    return self._stopped(stop, save=True)
+                if saves:
+                    self.save()
             # A signal during the last steps or their reading: save without the evaluation.
             if self._any_rank_stopping(stop):
                 return self._stopped(stop, save=True)
-            self._eval_and_log()
+            # A signal during the final evaluation ends it early (no val loss for this
+            # step); during the save, that save is the newest checkpoint.
+            self._eval_and_log(stop)
             self.save()
-            # A signal during the final evaluation or save: that save is the newest checkpoint.
             if self._any_rank_stopping(stop):
                 self.stop_signal = stop.signal
             return self.summary(stopped=self.state.step < t.max_steps)
@@ -504,13 +520,17 @@ class Trainer:
             for name, flops in self.flops_per_token.items()
         }
 
-    def _eval_and_log(self) -> None:
-        val_loss = self.evaluate()
+    def _eval_and_log(self, stop: StopRequested | None = None) -> bool:
+        """Evaluate and log; False when a stop signal ended the evaluation early."""
+        val_loss = self.evaluate(stop)
+        if val_loss is None:
+            return False
         self.state.last_val_loss = val_loss
         self.logger.log(
             self.state.step,
             {"val_loss": val_loss, "val_ppl": perplexity(val_loss)},
         )
+        return True
 
     def _last_tps(self) -> float | None:
         return self.state.timed.last_tokens_per_sec()

@@ -19,6 +19,8 @@ from llm.build import model_args_for, resolve_device, tokenizer_vocab_size
 from llm.config import Config
 from llm.errors import ConfigError
 from llm.models import HFSource, ModelArgs, build_model, freeze
+from llm.parallel.binding import rank_device
+from llm.parallel.dist import RankEnv
 from llm.parallel.tensor_parallel import check_tensor_parallel, kv_replicated
 from llm.precision import precision_for
 from llm.precision.fp8 import convert_to_fp8
@@ -51,8 +53,9 @@ def check_vocab(cfg: Config, args: ModelArgs) -> None:
         )
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Refuse impossible combinations. ``world_size`` is known under torchrun/Slurm."""
+def validate(cfg: Config, world_size: int | None = None, rank_env: RankEnv | None = None) -> None:
+    """Refuse impossible combinations. ``world_size`` is known under torchrun/Slurm, and
+    ``rank_env`` is this process's rank there (its GPU binding is checked)."""
     args = model_args_for(cfg)
     check_vocab(cfg, model_args_for(cfg, tokenizer_vocab_size(cfg)))
     if cfg.data.seq_len > args.max_seq_len and cfg.model.init_from is None:
@@ -76,6 +79,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"launcher.nproc_per_node={nproc} but only {torch.cuda.device_count()} GPU(s) are "
             "visible; lower launcher.nproc_per_node or use train.device=cpu"
         )
+    if device.type == "cuda" and rank_env is not None:
+        rank_device(rank_env, torch.cuda.device_count())  # an outside launcher's binding
     tp = cfg.parallelism.tp_size
     per_replica = tp * cfg.parallelism.pp_size
     if cfg.parallelism.name == "single" and nproc > per_replica:
