@@ -55,7 +55,6 @@ from llm.memory import optimizer_state_tensors
 from llm.models import WeightSource, model_blocks
 from llm.optim import OPTIMIZERS, ParamLayout, ShardLayout
 from llm.parallel.comm_counter import count_fsdp_collectives
-from llm.parallel.experts.grads import reduce_expert_grads
 from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
 from llm.parallel.single import SingleStrategy
@@ -216,9 +215,8 @@ class FSDPStrategy(SingleStrategy):
         # Without sync FSDP2 skips the reduce-scatter (and HSDP all-reduce) and accumulates
         # unsharded gradients, reduced together at the micro-batch that syncs.
         self.model.set_requires_gradient_sync(sync)
-        yield
-        if sync and self.expert_shards:
-            reduce_expert_grads(self.expert_shards, count=self.counting)
+        with self.expert_micro_batch(sync):
+            yield
 
     def count_comm(self, on: bool) -> None:
         super().count_comm(on)
