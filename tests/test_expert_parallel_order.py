@@ -43,9 +43,11 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(
     ]
     issued = {tuple(op) for op in orders[0]}
     assert ("gloo:all_to_all", "stride1") in issued  # the ep exchange
-    assert ("gloo:all_reduce", "stride2") in issued  # the expert buckets over edp
+    # The expert gradients over edp: our buckets' all-reduces, or under fsdp its gathers
+    # and reduce-scatters of the slices.
+    assert any(group == "stride2" for _, group in issued)
     assert any(group == "dp" for _, group in issued)  # the strategy's own
-    # The expert buckets go out during backward, between the all-to-alls of earlier layers.
+    # Expert collectives go out between the all-to-alls of other layers.
     kinds = [group for _, group in orders[0]]
     first_edp = kinds.index("stride2")
     assert "stride1" in kinds[first_edp:], orders[0]

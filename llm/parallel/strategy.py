@@ -70,8 +70,9 @@ class Strategy(SentBytes, Protocol):
     def expert_micro_batch(self, sync: bool) -> AbstractContextManager:
         """Around a micro-batch, inside the strategy's own: the expert slices' gradients
         reduced over their edp ranks in buckets during the backward that syncs, waited for
-        when it ends (llm/parallel/experts/grads.py); nothing without expert parallelism."""
-        if self.expert_shards is None:
+        when it ends (llm/parallel/experts/grads.py); nothing without expert parallelism
+        or where the strategy shards the slices and reduces them itself (fsdp)."""
+        if self.expert_shards is None or self.expert_shards.sharded:
             return contextlib.nullcontext()
         if self._expert_grads is None:  # hooks in place before the first backward
             self._expert_grads = ExpertGradReducer(
@@ -156,8 +157,9 @@ class StrategyBase:
     def expert_micro_batch(self, sync: bool) -> AbstractContextManager:
         """Around a micro-batch, inside the strategy's own: the expert slices' gradients
         reduced over their edp ranks in buckets during the backward that syncs, waited for
-        when it ends (llm/parallel/experts/grads.py); nothing without expert parallelism."""
-        if self.expert_shards is None:
+        when it ends (llm/parallel/experts/grads.py); nothing without expert parallelism
+        or where the strategy shards the slices and reduces them itself (fsdp)."""
+        if self.expert_shards is None or self.expert_shards.sharded:
             return contextlib.nullcontext()
         if self._expert_grads is None:  # hooks in place before the first backward
             self._expert_grads = ExpertGradReducer(
