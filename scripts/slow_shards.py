@@ -52,6 +52,7 @@ SHARDS = {
         "tests/test_torchrun_nodes.py",
         "tests/test_expert_parallel_training.py",
         "tests/test_expert_parallel.py",
+        "tests/test_expert_parallel_order.py",
         "tests/test_moe_training.py",
         "tests/test_benchmarks_pipeline.py",
         "tests/test_benchmarks_strategies.py",

@@ -16,17 +16,19 @@ from llm.launch.launcher import free_port
 from llm.models import model_args
 from llm.models.moe import MoE
 from llm.models.weights import InitSource
+from llm.parallel.experts.exchange import _padded_places
 from llm.parallel.experts.install import expert_mesh, expert_range, install
 
 BATCH, SEQ = 8, 12  # global: BATCH / world sequences per rank
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; rows reach the experts in another order per layout
 
 
-def _args(capacity: float | None, router: str = "softmax"):
-    """moe-tiny's shape; the balance loss weighted 1 so its gradient is tested as well."""
+def _args(capacity: float | None, router: str = "softmax", kernel: str = "loop"):
+    """moe-tiny's shape; the balance loss weighted 1 so its gradient is tested as well.
+    The loop kernel takes the exact exchange, the grouped one the padded exchange."""
     args = model_args("moe-tiny")
     moe = dataclasses.replace(
-        args.moe, capacity_factor=capacity, router=router, kernel="loop", aux_loss_coef=1.0
+        args.moe, capacity_factor=capacity, router=router, kernel=kernel, aux_loss_coef=1.0
     )
     return dataclasses.replace(args, moe=moe)
 
@@ -68,11 +70,11 @@ def _reference(args) -> dict:
     }
 
 
-def _rank(rank, world, port, results, ep, capacity, router):
+def _rank(rank, world, port, results, ep, capacity, router, kernel):
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
     )
-    args = _args(capacity, router)
+    args = _args(capacity, router, kernel)
     mesh = expert_mesh("cpu", world, ep)
     layer = _layer(args)
     install(layer, dist.group.WORLD, mesh)
@@ -101,21 +103,21 @@ def _rank(rank, world, port, results, ep, capacity, router):
     dist.destroy_process_group()
 
 
-def _spawn(world, ep, capacity=None, router="softmax") -> dict:
+def _spawn(world, ep, capacity=None, router="softmax", kernel="loop") -> dict:
     results = mp.Manager().dict()
     mp.start_processes(
         _rank,
-        args=(world, free_port(), results, ep, capacity, router),
+        args=(world, free_port(), results, ep, capacity, router, kernel),
         nprocs=world,
         start_method="spawn",
     )
     return dict(results)
 
 
-def _check_against_reference(world, ep, capacity, router):
-    args = _args(capacity, router)
+def _check_against_reference(world, ep, capacity, router, kernel="loop"):
+    args = _args(capacity, router, kernel)
     ref = _reference(args)
-    ranks = _spawn(world, ep, capacity, router)
+    ranks = _spawn(world, ep, capacity, router, kernel)
     per = BATCH // world
     for rank, got in ranks.items():
         mine = slice(rank * per, (rank + 1) * per)
@@ -156,6 +158,25 @@ def test_expert_parallel_layer_equals_one_process(world, ep):
     assert (leaving > 0) == (ep > 1)
 
 
+@pytest.mark.parametrize(("world", "ep"), [(2, 2), (4, 2)])
+@pytest.mark.slow
+def test_padded_exchange_equals_one_process(world, ep):
+    """The grouped kernel's padded exchange: outputs and gradients are one process's, and
+    each rank sends each other rank of its ep group a block of tokens x min(top_k, E/ep)
+    rows, four times (dispatch and combine, forward and backward), whatever the routing."""
+    args, _, ranks = _check_against_reference(world, ep, None, "softmax", "grouped")
+    block = BATCH // world * SEQ * min(args.moe.top_k, args.moe.n_experts // ep)
+    for got in ranks.values():
+        assert got["sent"]["all_to_all"] == 4 * (ep - 1) * block * args.d_model * 4
+
+
+@pytest.mark.slow
+def test_padded_exchange_with_a_capacity_equals_one_process():
+    """Ranks keep different numbers of rows under a capacity; the blocks stay one size."""
+    _, ref, _ = _check_against_reference(4, 2, 0.5, "softmax", "grouped")
+    assert ref["kept"] < ref["load"].sum()
+
+
 @pytest.mark.slow
 def test_capacity_drops_the_same_tokens_as_one_process():
     """A capacity below the load: the global queue's first come are kept on every layout,
@@ -167,3 +188,23 @@ def test_capacity_drops_the_same_tokens_as_one_process():
 @pytest.mark.slow
 def test_sigmoid_router_with_bias_under_expert_parallelism():
     _check_against_reference(2, 2, None, "sigmoid")
+
+
+def test_padded_blocks_regroup_by_expert_then_source_with_the_padding_last():
+    """The padded exchange's receiver: blocks of 5 rows from 3 sources, each holding its
+    rows per local expert (2 experts) and then padding, land in (expert, source) order,
+    padding after every real row, in source order; checked against a list built by hand."""
+    received = torch.tensor([[2, 1], [0, 3], [1, 0]])
+    block = 5
+    place = _padded_places(received, block)
+    rows = []  # (expert, source, index in run) or (padding, source, j)
+    for s in range(3):
+        j = 0
+        for e in range(2):
+            for i in range(int(received[s, e])):
+                rows.append((0, e, s, i))
+                j += 1
+        rows += [(1, 0, s, k) for k in range(j, block)]
+    want = sorted(range(len(rows)), key=lambda r: rows[r])  # real rows by (expert, source)
+    assert sorted(place.tolist()) == list(range(3 * block))
+    assert [want.index(r) for r in range(len(rows))] == place.tolist()

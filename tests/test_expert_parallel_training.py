@@ -151,7 +151,8 @@ def test_estimate_equals_the_measured_states_on_every_ep_rank(
 def test_the_plan_tries_expert_parallel_sizes_for_moe_shapes():
     """estimate.plan=true: a MoE shape gets rows at every ep dividing the devices and the
     experts, each with the keys estimate.json lists, the all-to-all bytes of even routing,
-    and fewer bytes per GPU for the expert slices as ep grows; a dense shape gets ep 1."""
+    fewer bytes per GPU for the whole expert slices as ep grows (stage 0), the same at stage
+    3, which shards them over edp; a dense shape gets ep 1."""
     from helpers import compose_config
 
     from llm.build import model_args_for
@@ -176,6 +177,15 @@ def test_the_plan_tries_expert_parallel_sizes_for_moe_shapes():
         if (r["zero_stage"], r["recompute"], r["micro_batch"]) == (0, "none", 4)
     }
     assert same[4] < same[2] < same[1]
+    # At stage 3 (fsdp) each slice is sharded over its edp ranks: 1/(ep x edp) = 1/dp of
+    # the experts at every ep, as stage 3 at ep 1 holds them (to the byte counts' rounding).
+    sharded = {
+        r["ep"]: r["bytes_per_gpu"]
+        for r in rows
+        if (r["zero_stage"], r["recompute"], r["micro_batch"]) == (3, "none", 4)
+    }
+    assert sharded[4] == pytest.approx(sharded[1], abs=8)
+    assert sharded[2] == pytest.approx(sharded[1], abs=8)
     dense = compose_config([*base, "model=llama-tiny"])
     assert {r.layout.ep for r in plan(dense, model_args_for(dense, vocab_size=4096))} == {1}
 
@@ -191,3 +201,37 @@ def test_a_capacity_drops_the_same_tokens_as_one_process_under_ep(
     ref = reference("moe-tiny", capacity)
     assert_run_matches(ref, out, STEPS)
     assert min(m["moe/dropped_share"] for m in read_metrics(out) if "moe/dropped_share" in m) > 0
+
+
+@pytest.mark.slow
+def test_fsdp_shards_the_expert_slices_over_edp(tmp_path, text_corpus, cache_dir, reference):
+    """fsdp at ep 2 on 4 ranks (edp 2): each rank holds 1/edp of its expert slice (params,
+    grads and AdamW's moments), so its model states are those of ep 1, where FSDP shards
+    every expert over all 4 ranks; measured equals the estimate on every rank. Saved after
+    step 1, one process resumes it whole, exactly."""
+    from helpers import compose_config, small_run_overrides
+
+    from llm.build import model_args_for
+    from llm.estimate.estimator import estimate
+
+    summary, out = _ep_run(
+        tmp_path, text_corpus, cache_dir, "fsdp_edp2", 4, 2, "train.stop_at_step=1",
+        "checkpoint.every=1", strategy="fsdp",
+    )  # fmt: skip
+    overrides = ("model=moe-tiny", "parallelism=fsdp", "launcher.nproc_per_node=4",
+                 "train.micro_batch_size=2")  # fmt: skip
+    base = [*small_run_overrides(tmp_path / "est", text_corpus, cache_dir, *overrides)]
+    cfg = compose_config([*base, "parallelism.ep_size=2", "estimate.device=cpu"])
+    ep1 = compose_config([*base, "parallelism.ep_size=1", "estimate.device=cpu"])
+    args = model_args_for(cfg, vocab_size=257)
+    for rank, measured in enumerate(summary["model_state_bytes"]):
+        cfg.estimate.rank = ep1.estimate.rank = rank
+        assert {k: estimate(cfg, args).device[k] for k in measured} == measured, f"rank {rank}"
+        assert {k: estimate(ep1, args).device[k] for k in measured} == measured, f"rank {rank}"
+    ref = reference("moe-tiny")
+    _, single = run(
+        tmp_path, "single", text_corpus, cache_dir, "model=moe-tiny", *MOE,
+        "train.micro_batch_size=8", f"train.max_steps={STEPS}",
+        f"checkpoint.resume={out / 'checkpoints' / 'step_000001'}",
+    )  # fmt: skip
+    assert_run_matches(ref, single, STEPS, first_step=2)

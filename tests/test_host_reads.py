@@ -7,8 +7,9 @@ strategy and optimizer, with ``Tensor.item``, ``tolist``, ``__bool__``, ``__floa
   and MoE, on every strategy;
 - every other optimizer cannot take ``found_inf``: at most the one read of the skip decision
   (llm/parallel/step.py);
-- expert parallelism's all-to-all takes its split sizes on the host: one read per MoE layer
-  and micro-batch, in the exchange, and nothing else.
+- expert parallelism with the grouped kernel reads nothing either (the padded exchange);
+  with the loop kernel, which reads its experts' counts, one read per MoE layer and
+  micro-batch, in the exchange, and nothing else.
 """
 
 from __future__ import annotations
@@ -94,14 +95,33 @@ def test_adamw_steps_read_nothing_on_the_host(tmp_path, text_corpus, cache_dir, 
 
 
 @pytest.mark.slow
-def test_expert_parallel_reads_its_split_sizes_once_per_layer(
-    tmp_path, text_corpus, cache_dir, monkeypatch
+@pytest.mark.parametrize(
+    ("strategy", "ranks"), [("ddp", 2), pytest.param("zero2", 4, id="zero2-edp2")]
+)
+def test_expert_parallel_reads_nothing_on_the_host(
+    tmp_path, text_corpus, cache_dir, monkeypatch, strategy, ranks
 ):
-    """ep=2: the all-to-all's split sizes are a host list, read once per MoE layer and
-    micro-batch (send, receive and the expert's counts in one read), and nothing else."""
+    """ep=2 with the grouped kernel: the padded exchange's split sizes are fixed blocks and
+    its regrouping runs on the device, and the expert gradients' edp buckets (edp 2 on 4
+    ranks) read nothing either: no host read on the step, per layer or per step."""
     ranks = _host_reads(
         tmp_path, text_corpus, cache_dir, monkeypatch,
-        "parallelism=ddp", "parallelism.ep_size=2", *MOE, *TWO,
+        f"parallelism={strategy}", "parallelism.ep_size=2", *MOE,
+        f"launcher.nproc_per_node={ranks}", f"train.micro_batch_size={4 // ranks}",
+    )  # fmt: skip
+    assert _reads(ranks) == [0] * len(ranks), ranks
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_the_loop_kernel_reads_once_per_layer(
+    tmp_path, text_corpus, cache_dir, monkeypatch
+):
+    """The loop kernel reads its experts' counts on the host; the exact exchange reads its
+    split sizes in the same read: one per MoE layer and micro-batch, in the exchange."""
+    ranks = _host_reads(
+        tmp_path, text_corpus, cache_dir, monkeypatch,
+        "parallelism=ddp", "parallelism.ep_size=2", "model=moe-tiny", "model.moe.kernel=loop",
+        *TWO,
     )  # fmt: skip
     layers = MODEL_SHAPES["moe-tiny"].n_layers
     for rank in ranks:

@@ -18,8 +18,8 @@ def test_auto_takes_the_grouped_matmul_on_hopper_in_bf16():
     experts = Experts(8, 256, 512, "auto").cuda()
     x = torch.zeros(4, 256, device="cuda", dtype=torch.bfloat16)
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    assert experts._grouped(x) == hopper
-    assert not experts._grouped(x.float())
+    assert (not experts.reads_counts(x)) == hopper
+    assert experts.reads_counts(x.float())
 
 
 @pytest.mark.skipif(

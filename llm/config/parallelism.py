@@ -98,7 +98,7 @@ class ParallelismConfig:
     tp_size: int = 1  # tensor parallel ranks (innermost mesh dimension); docs/parallel.md
     pp_size: int = 1  # pipeline stages (outermost mesh dimension); docs/parallel.md
     # Expert parallel ranks, splitting each MoE layer's experts over the dp ranks
-    # (docs/parallel.md, "Mixture of experts"); parallelism=ddp only, so far.
+    # (docs/parallel.md, "Mixture of experts"); ddp, zero1-3 and fsdp.
     ep_size: int = 1
     pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
     # Micro-batches the schedule splits each loader batch into; -1: pp_size.

@@ -90,17 +90,25 @@ def model_states(
     else:
         n = sum(p.numel() for p in params)
         return paper_states(n, world, par.zero_stage, policy, opt, par.offload_optimizer)
-    if experts:  # each rank's E / ep experts, whole beside the strategy's states
+    if experts:  # each rank's E / ep experts beside the strategy's states
         local = {x: torch.Size((x.shape[0] // par.ep_size, *x.shape[1:])) for x in experts}
-        extra = _replica(experts, local, policy, opt, kinds)
-        for kind, n in extra.device.items():
-            out.device[kind] += n
+        edp = dp // par.ep_size
+        if par.name == "fsdp" and edp > 1:  # each slice sharded again over its edp ranks
+            extra = _fsdp(
+                experts, local, policy, opt, kinds, edp, dp_rank // par.ep_size, par.offload_params
+            )
+        else:  # whole on each rank of the edp group
+            extra = _replica(experts, local, policy, opt, kinds)
+        for kind in KINDS:
+            out.device[kind] += extra.device[kind]
+            out.host[kind] += extra.host[kind]
     return out
 
 
 def _expert_slices(model: nn.Module) -> list[nn.Parameter]:
-    """The MoE experts' stacked weights: under expert parallelism each rank holds its slice
-    whole, outside the strategy's sharding (llm/parallel/experts/)."""
+    """The MoE experts' stacked weights: under expert parallelism each rank holds its slice,
+    apart from the strategy's dense sharding (llm/parallel/experts/): whole, or under fsdp
+    sharded again over the edp ranks."""
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
 
 

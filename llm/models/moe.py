@@ -84,7 +84,7 @@ class Experts(nn.Module):
         dtype = _compute_dtype(x)
         x = x.to(dtype)
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
-        if self._grouped(x):
+        if self._grouped(x.device, dtype):
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(_grouped(x, w1, offs)) * _grouped(x, w3, offs)
             return _grouped(h, w2, offs)
@@ -95,12 +95,16 @@ class Experts(nn.Module):
             start += count
         return torch.cat(out) if out else x.new_zeros(0, x.size(-1))
 
-    def _grouped(self, x: Tensor) -> bool:
+    def reads_counts(self, x: Tensor) -> bool:
+        """Whether this forward reads the counts on the host (the loop kernel does)."""
+        return not self._grouped(x.device, _compute_dtype(x))
+
+    def _grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
         if self.kernel != "auto":
             return self.kernel == "grouped"
-        if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
             return False
-        return torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _grouped(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -131,7 +135,10 @@ class LocalExchange:
         """(each expert's assignments over the global micro-batch, those on earlier ranks)."""
         return counts, torch.zeros_like(counts)
 
-    def run(self, experts: Experts, x: Tensor, counts: Tensor) -> Tensor:
+    def run(self, experts: Experts, x: Tensor, counts: Tensor, tokens: int, top_k: int) -> Tensor:
+        """The experts' outputs for ``x`` (rows sorted by expert, ``counts`` (E,) of each),
+        from ``tokens`` tokens with ``top_k`` experts each (the bound an exchange with
+        fixed-size buffers sizes them by)."""
         return experts(x, counts)
 
     def take_sent(self) -> dict[str, int]:
@@ -191,7 +198,7 @@ class MoE(nn.Module):
             order = self._within_capacity(flat, order, mine, total, before)
         counts = _count(flat[order], n_experts)
         token = order // self.moe.top_k
-        y = self.exchange.run(self.experts, h[token], counts)  # (M, d)
+        y = self.exchange.run(self.experts, h[token], counts, h.shape[0], self.moe.top_k)
         weights = route.weights.reshape(-1)[order]
         # fp32 product cast back, then summed per token: HF Mixtral's order of rounding.
         contrib = (y * weights.unsqueeze(-1)).to(h.dtype)

@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from llm.comm.sent import CommCounter
 from llm.models import WeightSource, materialize_from
-from llm.parallel.experts.grads import reduce_expert_grads
 from llm.parallel.single import SingleStrategy
 from llm.parallel.strategy import register_strategy
 
@@ -79,10 +78,9 @@ class DDPStrategy(SingleStrategy):
 
     @contextlib.contextmanager
     def micro_batch(self, sync: bool):
-        with super().micro_batch(sync) if sync else self.model.no_sync():
+        ddp = super().micro_batch(sync) if sync else self.model.no_sync()
+        with ddp, self.expert_micro_batch(sync):
             yield
-        if sync and self.expert_shards:
-            reduce_expert_grads(self.expert_shards, count=self.counting)
 
     def take_sent(self) -> dict[str, int]:
         sent = Counter(self._sent.take_sent())

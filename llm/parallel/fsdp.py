@@ -53,9 +53,9 @@ from llm.config import OptimizerConfig
 from llm.errors import ConfigError
 from llm.memory import optimizer_state_tensors
 from llm.models import WeightSource, model_blocks
+from llm.models.moe import Experts
 from llm.optim import OPTIMIZERS, ParamLayout, ShardLayout
 from llm.parallel.comm_counter import count_fsdp_collectives
-from llm.parallel.experts.grads import reduce_expert_grads
 from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
 from llm.parallel.single import SingleStrategy
@@ -112,12 +112,16 @@ class FSDPStrategy(SingleStrategy):
             "mesh": self.mesh,
             "mp_policy": self._mixed_precision(),
             "offload_policy": self._offload(),
-            # Expert slices differ between ep ranks: FSDP leaves them whole and plain, and
-            # micro_batch reduces their gradients over their edp ranks.
-            "ignored_params": (
-                set(self.expert_shards.params.values()) if self.expert_shards else None
-            ),
         }
+        # Expert slices differ between ep ranks: each layer's are sharded over the ranks that
+        # hold the same experts, before its block, which then leaves them to that module.
+        # With one such rank (ep = dp) there is nothing to shard: FSDP leaves them whole and
+        # plain, and micro_batch reduces their gradients (llm/parallel/experts/grads.py).
+        experts = self.expert_shards
+        if experts and experts.edp > 1:
+            self._shard_experts(model, shard)
+        elif experts:
+            shard["ignored_params"] = set(experts.params.values())
         # The roots: the model, or under pipeline parallel each of this rank's stages (the
         # modules a schedule runs, each with its blocks).
         roots = model.stages() if isinstance(model, PipelinePart) else [model]
@@ -136,9 +140,27 @@ class FSDPStrategy(SingleStrategy):
             for root in roots:
                 count_fsdp_collectives(root, self.counter, hsdp=self.cfg.replicate > 1)
         self.shards = list(model.parameters())  # at rest: the sharded DTensors
+        if self.expert_shards:  # FSDP2 registered DTensors in the slices' place
+            self.expert_shards.rebind(model)
         self.model = model
         self._attach_pipeline(model)
         return model
+
+    def _shard_experts(self, model: nn.Module, shard: dict) -> None:
+        """FSDP2 on each layer's experts over the edp mesh (DeepSpeed-MoE's expert data
+        parallel group): gradients reduce-scattered there, summed and divided by the dp size
+        as every other gradient is averaged; gathered for the layer's forward and backward."""
+        experts = self.expert_shards
+        for module in model.modules():
+            if isinstance(module, Experts) and any(map(experts.holds, module.parameters())):
+                fully_shard(
+                    module,
+                    **{**shard, "mesh": experts.mesh["edp"]},
+                    reshard_after_forward=self.cfg.reshard_after_forward,
+                )
+                module.set_gradient_divide_factor(self.dims.dp_size)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        experts.sharded = True
 
     @torch.no_grad()
     def _materialize_shards(
@@ -153,8 +175,13 @@ class FSDPStrategy(SingleStrategy):
             # With parameter offload FSDP2 keeps the shards in host memory.
             root.to_empty(device="cpu" if self.cfg.offload_params else self.device)
         for name, param in model.named_parameters():
-            if name in experts:
-                param.copy_(experts[name])
+            if name in experts:  # a slice whole, or (sharded over edp) its rows here
+                value = experts[name]
+                if isinstance(param, DTensor):
+                    (start, stop), *_ = _local_region(param)
+                    param.to_local().copy_(value[start:stop])
+                else:
+                    param.copy_(value)
                 continue
             local = param.to_local()
             if local.numel():
@@ -215,10 +242,9 @@ class FSDPStrategy(SingleStrategy):
     def micro_batch(self, sync: bool):
         # Without sync FSDP2 skips the reduce-scatter (and HSDP all-reduce) and accumulates
         # unsharded gradients, reduced together at the micro-batch that syncs.
-        self.model.set_requires_gradient_sync(sync)
-        yield
-        if sync and self.expert_shards:
-            reduce_expert_grads(self.expert_shards, count=self.counting)
+        self.model.set_requires_gradient_sync(sync)  # the experts' FSDP modules too
+        with self.expert_micro_batch(sync):  # slices left whole (edp = 1)
+            yield
 
     def count_comm(self, on: bool) -> None:
         super().count_comm(on)

@@ -47,6 +47,7 @@ from llm.optim import (
     gradient_pass,
 )
 from llm.parallel.comm_counter import MeshCommCounter
+from llm.parallel.experts.grads import ExpertGradReducer
 from llm.parallel.experts.shards import ExpertShards
 from llm.parallel.mesh import MESH_DIMS, ParallelDims
 from llm.parallel.pipeline import GradSync, Pipeline, PipelinePart
@@ -65,6 +66,19 @@ class Strategy(SentBytes, Protocol):
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer: ...
 
     def micro_batch(self, sync: bool) -> AbstractContextManager: ...
+
+    def expert_micro_batch(self, sync: bool) -> AbstractContextManager:
+        """Around a micro-batch, inside the strategy's own: the expert slices' gradients
+        reduced over their edp ranks in buckets during the backward that syncs, waited for
+        when it ends (llm/parallel/experts/grads.py); nothing without expert parallelism
+        or where the strategy shards the slices and reduces them itself (fsdp)."""
+        if self.expert_shards is None or self.expert_shards.sharded:
+            return contextlib.nullcontext()
+        if self._expert_grads is None:  # hooks in place before the first backward
+            self._expert_grads = ExpertGradReducer(
+                self.expert_shards, self.cfg.bucket_cap_mb, lambda: self.counting
+            )
+        return self._expert_grads.micro_batch(sync)
 
     def loss_context(self, training: bool = True) -> AbstractContextManager: ...
 
@@ -120,8 +134,10 @@ class StrategyBase:
         # (build_strategy does, from the run's optimizer).
         self.quant_block = 1
         # Expert parallel (parallelism.ep_size > 1): the model's expert slices, set before
-        # wrap (llm/parallel/experts/; ddp takes them, the others refuse ep).
+        # wrap (llm/parallel/experts/; the strategies of llm.validate's EP_STRATEGIES take
+        # them, the others refuse ep).
         self.expert_shards: ExpertShards | None = None
+        self._expert_grads: ExpertGradReducer | None = None
 
     def _attach_pipeline(self, model: nn.Module, grad_sync: GradSync | None = None) -> None:
         """Under pipeline parallel (``model`` is this rank's PipelinePart, materialised and
@@ -137,6 +153,19 @@ class StrategyBase:
                 self.cfg.count_comm,
                 grad_sync,
             )
+
+    def expert_micro_batch(self, sync: bool) -> AbstractContextManager:
+        """Around a micro-batch, inside the strategy's own: the expert slices' gradients
+        reduced over their edp ranks in buckets during the backward that syncs, waited for
+        when it ends (llm/parallel/experts/grads.py); nothing without expert parallelism
+        or where the strategy shards the slices and reduces them itself (fsdp)."""
+        if self.expert_shards is None or self.expert_shards.sharded:
+            return contextlib.nullcontext()
+        if self._expert_grads is None:  # hooks in place before the first backward
+            self._expert_grads = ExpertGradReducer(
+                self.expert_shards, self.cfg.bucket_cap_mb, lambda: self.counting
+            )
+        return self._expert_grads.micro_batch(sync)
 
     def loss_context(self, training: bool = True) -> AbstractContextManager:
         """Where the forward, the loss and (``training``) the backward run: under tensor

@@ -1,6 +1,9 @@
-"""The expert parameters in checkpoints: DTensors on the (edp, ep) mesh, Replicate x
-Shard(0), viewing the same storage, so DCP reshards them to another ep size or to one
-process as it does any DTensor."""
+"""The expert parameters in checkpoints: DTensors of the whole tensor on the (edp, ep) mesh,
+viewing the same storage, so DCP reshards them to another ep size, another edp size or one
+process as it does any DTensor. Placements: Replicate x Shard(0) where each edp rank holds
+its slice whole; where FSDP also shards the slice over edp, the ep split first and the edp
+split within it, (_StridedShard(0, split_factor=ep), Shard(0)), as FSDP2 over tensor
+parallel places its shards."""
 
 from __future__ import annotations
 
@@ -8,15 +11,23 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+# FSDP2's placement for a dim-0 split inside another; torch exports it nowhere else.
+from torch.distributed.tensor.placement_types import _StridedShard
+
 from llm.parallel.experts.shards import ExpertShards
 
 
 def as_dtensor(shards: ExpertShards, local: Tensor) -> DTensor:
-    """``local`` (this rank's slice of an expert tensor) as the whole tensor's DTensor."""
+    """``local`` (this rank's slice of an expert tensor, or a DTensor of the slice sharded
+    over edp) as the whole tensor's DTensor."""
     shape = (local.shape[0] * shards.ep, *local.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
+    placements = [Replicate(), Shard(0)]
+    if isinstance(local, DTensor):
+        placements = [_StridedShard(0, split_factor=shards.ep), Shard(0)]
+        local = local.to_local()
     return DTensor.from_local(
-        local, shards.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape, stride=stride
+        local, shards.mesh, placements, run_check=False, shape=shape, stride=stride
     )
 
 
@@ -47,7 +58,17 @@ def from_checkpoint(shards: ExpertShards, state: dict) -> dict:
     strategy's own DTensors, FSDP's shards, stay as they are)."""
 
     def local(name: str, v):
-        return v.to_local() if name in shards.params and isinstance(v, DTensor) else v
+        if name not in shards.params or not isinstance(v, DTensor):
+            return v
+        if not shards.sharded:
+            return v.to_local()
+        # Back to the slice's DTensor over edp (FSDP's), on the same storage.
+        mesh = shards.mesh["edp"]
+        shape = (v.shape[0] // shards.ep, *v.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            v.to_local(), mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+        )
 
     model = {k: local(k, v) for k, v in state["model"].items()}
     optim = {**state["optimizer"], "state": {

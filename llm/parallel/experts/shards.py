@@ -10,14 +10,16 @@ from llm.comm.sent import CommCounter
 
 class ExpertShards:
     """The expert parameters of an expert-parallel model: this rank's slices, plain tensors
-    the optimizer steps like any other. They differ between ep ranks, so a strategy
+    the optimizer steps like any other, or (``sharded``, set by the strategy: fsdp) each
+    slice sharded again over the edp ranks. They differ between ep ranks, so a strategy
     - leaves their gradients to llm/parallel/experts/grads.py (summed over the edp ranks
       that hold the same experts, divided by the dp size as every other gradient is
-      averaged), which counts what it sends in ``sent``;
+      averaged), which counts what it sends in ``sent``, or reduce-scatters them over edp
+      itself where it shards them;
     - counts each of their gradient elements on edp ranks, not dp (:meth:`replicas`);
-    - checkpoints them as DTensors on the (edp, ep) mesh, Replicate x Shard(0), through
-      llm/parallel/experts/checkpoint.py, so DCP reshards them to another ep size or to
-      one process, as it does any DTensor."""
+    - checkpoints them as DTensors of the whole tensor on the (edp, ep) mesh through
+      llm/parallel/experts/checkpoint.py, so DCP reshards them to another ep or edp size
+      or to one process, as it does any DTensor."""
 
     def __init__(self, params: dict[str, nn.Parameter], mesh: DeviceMesh, dp_size: int) -> None:
         self.params = params
@@ -29,10 +31,18 @@ class ExpertShards:
         self.dp_size = dp_size
         self._ids = {id(p) for p in params.values()}
         self.sent = CommCounter()
+        self.sharded = False  # each slice sharded over edp by the strategy
+
+    def rebind(self, model: nn.Module) -> None:
+        """Take the expert parameters by name from ``model`` again, after a strategy
+        registered new ones in their place (FSDP2's DTensors)."""
+        self.params = {n: p for n, p in model.named_parameters() if n in self.params}
+        self._ids = {id(p) for p in self.params.values()}
 
     def holds(self, param: Tensor) -> bool:
         return id(param) in self._ids
 
     def replicas(self) -> int:
-        """Ranks holding one expert gradient element once reduced: its edp group."""
-        return self.dp_size // self.ep
+        """Ranks holding one expert gradient element once reduced: its edp group, or one
+        where the slices are sharded over it."""
+        return 1 if self.sharded else self.dp_size // self.ep

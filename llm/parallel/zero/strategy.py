@@ -58,7 +58,6 @@ from llm.optim import (
     optimizer_param_groups,
     wrap_optimizer,
 )
-from llm.parallel.experts.grads import reduce_expert_grads
 from llm.parallel.param_norms import summed_squares
 from llm.parallel.pipeline import PipelinePart, part_weights
 from llm.parallel.step import StepResult, checked_gradient_pass, overflow_checked_step
@@ -252,15 +251,14 @@ class ZeroStrategy(StrategyBase):
         # and 3 keep only a slice and must reduce every micro-batch.
         self._sync = sync or self.stage >= 2
         try:
-            yield
+            with self.expert_micro_batch(sync):
+                yield
         except BaseException:
             self.reducer.reset()  # the run is failing: no further collectives
             raise
         else:
             if self._sync:
                 self.reducer.finish()
-            if sync and self.expert_shards:
-                reduce_expert_grads(self.expert_shards, count=self.counting)
         finally:
             if release and self.gatherer is not None:
                 self.gatherer.free_all()
