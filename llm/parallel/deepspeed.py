@@ -114,9 +114,9 @@ def _require_cpu_adam() -> None:
     except Exception as exc:  # a failed build surfaces as several exception types
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
-            f"parallelism.offload_optimizer=true needs DeepSpeed's CPU Adam, which did not build "
-            f"({reason}); install a C++ compiler and Python headers, or set "
-            "parallelism.offload_optimizer=false"
+            f"parallelism.offload_optimizer=cpu or nvme needs DeepSpeed's CPU Adam, which did "
+            f"not build ({reason}); install a C++ compiler and Python headers, or set "
+            "parallelism.offload_optimizer=none"
         ) from exc
 
 
@@ -175,7 +175,7 @@ class DeepSpeedStrategy:
         # optimizer, stepped on DeepSpeed's flat fp32 partitions (element-wise ones only:
         # llm.parallel.strategy.refuse_optimizer).
         client = None if "optimizer" in self.ds_config else build_optimizer(model, opt_cfg)
-        if client is None and self.cfg.offload_optimizer:
+        if client is None and self.cfg.offload_optimizer != "none":
             _require_cpu_adam()
         self.engine, *_ = deepspeed.initialize(
             model=model,
@@ -205,6 +205,13 @@ class DeepSpeedStrategy:
     def loss_context(self, training: bool = True):
         # Tensor parallel is refused with DeepSpeed: the loss is plain cross-entropy.
         return contextlib.nullcontext()
+
+    def offload_facts(self) -> dict | None:
+        """DeepSpeed's NVMe swapping keeps its own files and counters."""
+        return None
+
+    def close(self) -> None:
+        """DeepSpeed's swap files stay under nvme_path/zero_stage_3 as it leaves them."""
 
     def measure(self, on: bool) -> None:
         self._measuring = on

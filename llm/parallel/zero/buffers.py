@@ -9,6 +9,9 @@
 | grad_shard | S elements in the master dtype (fp32; bf16 under bf16_pure), persistent         |
 | master     | an fp32 copy of the shard under mixed precision or offload, else the shard      |
 
+Under ``offload_optimizer=nvme`` (``own_master``) the master is always a copy of its own: its
+storage is moved to a file right after it is built (nvme/optimizer_swap.py).
+
 Stage 1's grad_full is in the working dtype (bf16 under mixed precision) because autograd
 accumulates each micro-batch's gradient into ``param.grad`` in place, and ``.grad`` must have
 the parameter's dtype; an fp32 full buffer would cost 4Φ where the paper counts 2Φ. Its
@@ -45,12 +48,15 @@ class BucketBuffers:
         device: torch.device,
         reduce_dtype: torch.dtype,
         weights: WeightSource,
+        own_master: bool = False,
     ) -> None:
         self.bucket = bucket
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         lo, hi = bucket.shard_range(rank)
-        separate = bucket.trainable and (master_dtype != working_dtype or master_device != device)
+        separate = bucket.trainable and (
+            own_master or master_dtype != working_dtype or master_device != device
+        )
         # fp32 values of this rank's slice, for the stage-3 shard and a separate master (which
         # starts from the source's values, not from rounded working weights).
         values = (
@@ -72,7 +78,7 @@ class BucketBuffers:
         self.pieces: list[Piece] = []
         self.piece_tensors: list[torch.Tensor] = []
         if bucket.trainable:
-            self._init_training(rank, master_dtype, master_device, values)
+            self._init_training(rank, master_dtype, master_device, values, separate)
         self.arrived = 0  # parameters whose gradient arrived in this backward
         if stage == 3:
             self.free()
@@ -91,7 +97,12 @@ class BucketBuffers:
         return values
 
     def _init_training(
-        self, rank: int, master_dtype: torch.dtype, master_device, values: torch.Tensor | None
+        self,
+        rank: int,
+        master_dtype: torch.dtype,
+        master_device,
+        values: torch.Tensor | None,
+        separate: bool,
     ) -> None:
         device, lo = self.full.device, self.bucket.shard_range(rank)[0]
         if self.stage == 1:
@@ -109,7 +120,7 @@ class BucketBuffers:
         # asynchronously (non_blocking) instead of through a staging buffer.
         host = {"dtype": master_dtype, "device": master_device}
         host["pin_memory"] = master_device.type == "cpu" and device.type == "cuda"
-        if master_dtype != self.full.dtype or master_device != device:
+        if separate:
             self.master = torch.empty(self.shard.shape, **host).copy_(values)
         if master_device != device:
             self.host_grad = torch.empty(self.shard.shape, **host)
