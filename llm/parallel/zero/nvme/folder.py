@@ -30,11 +30,14 @@ def check_nvme_path(path: str, need_bytes: int) -> None:
             f"parallelism.nvme_path={path} is not a folder; create it (on a local disk with "
             "room for the offloaded states) or point nvme_path at one"
         )
-    if not os.access(folder, os.W_OK | os.X_OK):
+    try:  # a file made and removed: permissions, read-only mounts, root's limits alike
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
         raise ConfigError(
-            f"parallelism.nvme_path={path} is not writable by this user; fix its permissions "
-            "or point nvme_path at a folder you can write"
-        )
+            f"parallelism.nvme_path={path} takes no files ({exc.strerror}); fix its "
+            "permissions or point nvme_path at a folder you can write"
+        ) from None
     # Stale folders of crashed runs count as room: the ranks remove them when they start.
     free = free_bytes(folder) + sum(_size(f) for f in stale_folders(folder))
     if free < need_bytes:
