@@ -16,8 +16,11 @@ import pytest
 import torch
 from helpers import compose_config
 
+from llm.build import model_args_for, tokenizer_vocab_size
 from llm.config import ParallelismConfig
 from llm.errors import ConfigError, DiskFullError
+from llm.estimate.estimator import estimate
+from llm.estimate.plan import plan, plan_row
 from llm.parallel.ds_config import build_ds_config
 from llm.parallel.zero.nvme import RankFolder, check_nvme_path
 from llm.parallel.zero.nvme.direct_file import ALIGN, DirectFile, aligned_buffer
@@ -184,3 +187,59 @@ def test_deepspeed_gets_its_nvme_sections():
     ]
     for section in ("offload_optimizer", "offload_param"):
         assert zero[section] == {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": False}
+
+
+def _estimate(*overrides):
+    cfg = compose_config(
+        [
+            "logger=none",
+            "output_dir=unused",
+            "model=gpt2-tiny",
+            "precision=bf16",
+            "launcher.nproc_per_node=2",
+            "estimate.device=cpu",
+            *overrides,
+        ]
+    )
+    return estimate(cfg, model_args_for(cfg, vocab_size=257))
+
+
+def test_the_estimate_moves_nvme_states_to_files_and_keeps_the_pool():
+    nvme = ("parallelism.nvme_path=/tmp",)
+    memory = _estimate("parallelism=zero3")
+    est = _estimate(
+        "parallelism=zero3",
+        "parallelism.offload_optimizer=nvme",
+        "parallelism.offload_params=nvme",
+        *nvme,
+    )
+    # bf16: the fp32 master and both moments (12 bytes per parameter of the rank's slice),
+    # and the 16-bit shard, leave the device for the files.
+    assert est.device["optimizer_states"] == est.device["params"] == 0
+    assert est.disk["optimizer_states"] == memory.device["optimizer_states"]
+    assert est.disk["params"] == memory.device["params"]
+    # What stays in host memory is the pools: smaller than what they stream.
+    assert 0 < est.host["optimizer_states"] < est.disk["optimizer_states"] * 3
+    assert est.host["params"] > 0
+
+
+@pytest.mark.parametrize("host_gb,tier", [(2048, "cpu"), (64, "nvme")])
+def test_a_layout_that_fits_only_with_nvme_says_so(host_gb, tier):
+    """llama3-8b on 8 GPUs of 12 GiB: nothing fits on the devices alone; with 2 TiB of host
+    memory per node the ZeRO states fit there, with 64 GiB only NVMe holds them."""
+    cfg = compose_config(
+        [
+            "logger=none",
+            "output_dir=unused",
+            "model=llama3-8b",
+            "data.seq_len=8192",
+            "estimate.gpus_per_node=8",
+            "estimate.device_memory_gb=12",
+            f"estimate.host_memory_gb={host_gb}",
+        ]
+    )
+    rows = plan(cfg, model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg)))
+    fitting = [r for r in rows if r.fits]
+    assert fitting and {r.offload for r in fitting} == {tier}
+    assert all(r.bytes_per_gpu <= 12 * 2**30 and r.layout.zero_stage > 0 for r in fitting)
+    assert plan_row(fitting[0])["offload"] == tier

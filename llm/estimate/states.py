@@ -180,7 +180,7 @@ def _zero(
     separate = policy.master_dtype != policy.working_dtype or offload != "none" or nvme
     out = RankStates()
     opt_where = {"none": out.device, "cpu": out.host, "nvme": out.disk}[offload]
-    shard_where = out.disk if par.offload_params == "nvme" else out.device
+    shard_where = {"none": out.device, "cpu": out.host, "nvme": out.disk}[par.offload_params]
     shapes = []
     for b in buckets:
         if stage == 3:

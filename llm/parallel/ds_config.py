@@ -169,6 +169,10 @@ def generate(cfg: Config, dp_size: int, precision: PrecisionPolicy, on_gpu: bool
         params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
         params |= {"bias_correction": o.bias_correction}
         ds["optimizer"] = {"type": "Lamb", "params": params}
+    if "optimizer" not in ds and cfg.parallelism.offload_optimizer != "none":
+        # Our registry's optimizer stepped on the offloaded partitions (DeepSpeed refuses a
+        # client optimizer under offload unless told it is meant).
+        ds["zero_force_ds_cpu_optimizer"] = False
     return ds
 
 

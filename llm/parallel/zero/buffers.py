@@ -10,7 +10,9 @@
 | master     | an fp32 copy of the shard under mixed precision or offload, else the shard      |
 
 Under ``offload_optimizer=nvme`` (``own_master``) the master is always a copy of its own: its
-storage is moved to a file right after it is built (nvme/optimizer_swap.py).
+storage is moved to a file right after it is built (nvme/optimizer_swap.py). Under stage 3
+``offload_params=cpu`` puts the shard in host memory (``shard_device``), and
+``offload_params=nvme`` moves it to a file (nvme/param_swap.py).
 
 Stage 1's grad_full is in the working dtype (bf16 under mixed precision) because autograd
 accumulates each micro-batch's gradient into ``param.grad`` in place, and ``.grad`` must have
@@ -49,6 +51,7 @@ class BucketBuffers:
         reduce_dtype: torch.dtype,
         weights: WeightSource,
         own_master: bool = False,
+        shard_device: torch.device | None = None,
     ) -> None:
         self.bucket = bucket
         self.stage = stage
@@ -70,7 +73,13 @@ class BucketBuffers:
             if stage < 3:  # the working parameters are whole on every rank
                 view.copy_(weights.whole(slot.name, device).flatten())
             adopt(slot.param, view.view(slot.shape))
-        self.shard = self.full[lo:hi] if stage < 3 else values.to(working_dtype)
+        if stage < 3:
+            self.shard = self.full[lo:hi]
+        else:  # offload_params=cpu: in (pinned) host memory, copied over for each gather
+            where = shard_device or device
+            self.shard = values.to(device=where, dtype=working_dtype)
+            if where.type == "cpu" and device.type == "cuda":
+                self.shard = self.shard.pin_memory()
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.host_grad: torch.Tensor | None = None  # the master's gradient when offloaded

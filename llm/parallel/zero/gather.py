@@ -65,7 +65,9 @@ class UnitGatherer:
             works = []
             for buf in self.units[unit]:
                 buf.refill()
-                works.append(all_gather(buf.full, buf.shard, self.group, async_op=True))
+                # offload_params=cpu: the host shard goes to the device for its gather.
+                shard = buf.shard.to(buf.full.device, non_blocking=True)
+                works.append(all_gather(buf.full, shard, self.group, async_op=True))
                 self.count("all_gather", buf.full)
             self.pending[unit] = works
         if wait:

@@ -180,6 +180,7 @@ class ZeroStrategy(StrategyBase):
                 policy.reduce_dtype,
                 source,
                 own_master=nvme,
+                shard_device=torch.device("cpu") if self.cfg.offload_params == "cpu" else None,
             )
             if self.optimizer_swap is not None and bucket.trainable:
                 self.optimizer_swap.take(buf)
