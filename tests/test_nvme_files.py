@@ -243,3 +243,15 @@ def test_a_layout_that_fits_only_with_nvme_says_so(host_gb, tier):
     assert fitting and {r.offload for r in fitting} == {tier}
     assert all(r.bytes_per_gpu <= 12 * 2**30 and r.layout.zero_stage > 0 for r in fitting)
     assert plan_row(fitting[0])["offload"] == tier
+
+
+def test_deepspeeds_nvme_offload_names_what_it_lacks():
+    """Without libaio DeepSpeed's async_io op cannot build: one line before its engine
+    starts, not its RuntimeError from inside the swapper."""
+    op_builder = pytest.importorskip("deepspeed.ops.op_builder")
+    if op_builder.AsyncIOBuilder().is_compatible(verbose=False):
+        pytest.skip("libaio is installed here: DeepSpeed's NVMe offload can run")
+    from llm.parallel.deepspeed import _require_async_io
+
+    with pytest.raises(ConfigError, match="libaio's library and headers are missing"):
+        _require_async_io()

@@ -120,6 +120,21 @@ def _require_cpu_adam() -> None:
         ) from exc
 
 
+def _require_async_io() -> None:
+    """DeepSpeed swaps to NVMe with its async_io op, which needs libaio (the libaio-dev
+    package's library and headers) to JIT-build. Without it DeepSpeed 0.19.8 fails inside
+    its swapper with "Unable to JIT load the async_io op due to it not being compatible due
+    to hardware/software issue. None"; this says what is missing instead."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise ConfigError(
+            "parallelism.offload_*=nvme under deepspeed needs DeepSpeed's async_io op, which "
+            "cannot build here: libaio's library and headers are missing; install libaio-dev, "
+            "or use parallelism=zero3 with the same offload (our own nvme tier)"
+        )
+
+
 @register_strategy("deepspeed")
 class DeepSpeedStrategy:
     name = "deepspeed"
@@ -175,6 +190,8 @@ class DeepSpeedStrategy:
         # optimizer, stepped on DeepSpeed's flat fp32 partitions (element-wise ones only:
         # llm.parallel.strategy.refuse_optimizer).
         client = None if "optimizer" in self.ds_config else build_optimizer(model, opt_cfg)
+        if "nvme" in (self.cfg.offload_optimizer, self.cfg.offload_params):
+            _require_async_io()
         if client is None and self.cfg.offload_optimizer != "none":
             _require_cpu_adam()
         self.engine, *_ = deepspeed.initialize(
