@@ -6,8 +6,9 @@ Each row spawns 2 gloo ranks that build the model on the meta device, wrap it wi
 row's strategy (each rank materialising only its part), and train ``--steps`` steps of
 random tokens (fp32, AdamW); the last step is measured. Per rank:
 
-- RSS after the step, anonymous and file-backed apart (/proc/self/status RssAnon, RssFile),
-  and the peak RSS of the run (VmHWM);
+- RSS after the step, anonymous and file-backed apart (/proc/self/status RssAnon, RssFile;
+  after glibc's ``malloc_trim``, so the heap's freed temporaries do not count), and the peak
+  RSS of the run (VmHWM, which does count them);
 - bytes read and written by the step, as the kernel counts them for the process
   (/proc/self/io read_bytes, write_bytes: what reached the storage layer; O_DIRECT I/O
   counts, page-cache hits do not) and as the nvme tier counts them itself, against the
@@ -28,6 +29,7 @@ gradient and two moments, 16Φ/N, plus the gathered blocks), 9 under zero2.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import tempfile
@@ -58,6 +60,12 @@ ROWS = {
     "zero2-nvme": ("zero2", "nvme", "none"),
 }
 DEFAULT_ROWS = "zero3,zero3-cpu,zero3-nvme,zero3-nvme-params"
+
+
+def _trim() -> None:
+    """Hand the heap's free pages back (glibc's malloc_trim): bucket-sized temporaries freed
+    at start-up otherwise stay in the process's RSS, and would be counted as held."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _status() -> dict[str, int]:
@@ -111,6 +119,7 @@ def _rank(rank, world, port, results, args, row, nvme_path) -> None:
             strategy.clip_and_step(max_norm=1.0)
             strategy.zero_grad()
             end = time.perf_counter()
+            _trim()
         after, swapped_after = _io(), _swapped(strategy)
         phi = sum(p.numel() for p in model.parameters())
         results[rank] = {
