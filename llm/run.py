@@ -234,6 +234,7 @@ def _train(
     train_loader, val_loader = _loaders(prepared, cfg, dims, device)
     logger = _logger(cfg, env)
     _log_choices(logger, cfg, device, precision, attention)
+    _log_offload(logger, strategy)
     checkpointer = _checkpointer(cfg, env, args, prepared.tokenizer)
     trainer = Trainer(
         cfg=cfg,
@@ -257,9 +258,12 @@ def _train(
         summary = trainer.fit()
         summary.update(_run_facts(cfg, env, device, summary, args, dims, precision))
         summary["attention"] = attention.summary()
+        if (offload := strategy.offload_facts()) is not None:
+            summary["offload"] = gather_object(offload)  # every rank's files and bytes
         logger.summary(summary)
         return summary
     finally:
+        strategy.close()
         logger.close()
 
 
@@ -377,6 +381,19 @@ def _log_choices(logger, cfg: Config, device: torch.device, precision, attention
             f"fp8: the {precision.fp8_recipe} recipe runs emulated (fp8 quantised and "
             "dequantised, matmuls in fp32): its rounding and what backward keeps, not its speed"
         )
+
+
+def _log_offload(logger, strategy) -> None:
+    """Where the nvme tier's files are (rank 0's), and whether direct I/O was used."""
+    facts = strategy.offload_facts()
+    for what in ("optimizer", "params") if facts else ():
+        if what in facts:
+            f = facts[what]
+            logger.info(
+                f"offload_{what}=nvme: {f['file_bytes'] / 2**20:.0f} MB in files under "
+                f"{facts['nvme_path']} via {f['io']}, streamed through "
+                f"{f['pool_bytes'] / 2**20:.0f} MB of host buffers"
+            )
 
 
 def _checkpointer(cfg: Config, env: RankEnv, args, tokenizer) -> Checkpointer | None:

@@ -24,6 +24,7 @@ SHARDS = {
         "tests/test_checkpoint_layouts.py",
         "tests/test_optim_checkpoints.py",
         "tests/test_zero.py",
+        "tests/test_zero_nvme.py",
         "tests/test_zero_memory.py",
         "tests/test_zero_ranks.py",
         "tests/test_build_order.py",

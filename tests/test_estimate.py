@@ -263,6 +263,10 @@ def test_llama3_8b_plan_on_eight_80gb_devices():
     rows = plan(cfg, args)
     fitting = [r for r in rows if r.fits]
     assert fitting and all(r.bytes_per_gpu <= 80 * 2**30 for r in fitting)
+    # Layouts that fit only by offloading their ZeRO states come after all the others.
+    offloaded = [i for i, r in enumerate(fitting) if r.offload != "none"]
+    assert offloaded == list(range(len(fitting) - len(offloaded), len(fitting)))
+    fitting = [r for r in fitting if r.offload == "none"]
     assert [r.step_time_s for r in fitting] == sorted(r.step_time_s for r in fitting)
     # A replica cannot hold 8B parameters with Adam (16 B/param = 128 GB): plain data
     # parallel (ZeRO stage 0) fits only with tensor or pipeline parallel beside it.

@@ -130,7 +130,7 @@ def test_aux_losses_reach_the_gradient_and_the_load_is_logged(
                 "parallelism.ep_size=2",
                 "parallelism.offload_optimizer=true",
             ),
-            "offload_optimizer=true with ep_size=2",
+            "offload_optimizer=cpu with ep_size=2",
         ),
         (
             ("model=llama-tiny", "model.moe.top_k=2"),

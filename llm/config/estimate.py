@@ -41,6 +41,11 @@ class EstimateConfig:
     flops_per_s: float = 400e12
     intra_node_gb_s: float = 450.0
     inter_node_gb_s: float = 50.0
+    # The plan's offload tiers (a layout too big for the devices whose ZeRO can offload):
+    # host memory per node, and the node's NVMe read or write speed (each direction, all its
+    # drives together; ZeRO-Infinity's DGX-2 had 25 GB/s over 16 drives).
+    host_memory_gb: float = 2048.0
+    nvme_gb_s: float = 25.0
     # The plan's global batch in sequences per step; None: train.micro_batch_size x
     # train.grad_accum_steps x every device.
     global_batch: int | None = None
@@ -64,6 +69,8 @@ class EstimateConfig:
             flops_per_s=self.flops_per_s,
             intra_node_gb_s=self.intra_node_gb_s,
             inter_node_gb_s=self.inter_node_gb_s,
+            host_memory_gb=self.host_memory_gb,
+            nvme_gb_s=self.nvme_gb_s,
             global_batch=self.global_batch,
             plan_rows=self.plan_rows,
         )

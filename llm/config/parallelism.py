@@ -91,6 +91,56 @@ def _check_pp_strategy(p: ParallelismConfig) -> None:
         )
 
 
+# Where offloaded state lives; a bool is an older spelling (true: cpu, false: none).
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
+_OFFLOAD_SPELLINGS = {"true": "cpu", "false": "none"}
+
+
+def offload_tier(key: str, value) -> str:
+    """``value`` as one of OFFLOAD_TIERS (Hydra hands a command line's true over as the
+    string "True" to this str field)."""
+    tier = _OFFLOAD_SPELLINGS.get(str(value).lower(), str(value).lower())
+    require_choice("parallelism", key, tier, OFFLOAD_TIERS)
+    return tier
+
+
+def _check_offload(p: ParallelismConfig) -> None:
+    """The strategies each offload tier runs under, and the folder nvme needs."""
+    if p.offload_optimizer != "none" and p.name not in ("zero1", "zero2", "zero3", "deepspeed"):
+        raise ConfigError(
+            f"parallelism.offload_optimizer={p.offload_optimizer} needs zero1-3 or deepspeed, "
+            f"not {p.name}; for fsdp use parallelism.offload_params=cpu"
+        )
+    stage3 = p.name == "zero3" or (p.name == "deepspeed" and p.zero_stage == 3)
+    if p.offload_params == "cpu" and not (stage3 or p.name == "fsdp"):
+        raise ConfigError(
+            "parallelism.offload_params=cpu needs parallelism=fsdp or zero3, or deepspeed with "
+            "zero_stage=3"
+        )
+    if p.offload_params == "nvme" and not stage3:
+        raise ConfigError(
+            f"parallelism.offload_params=nvme shards parameters to disk under stage 3 only, not "
+            f"{p.name}; use parallelism=zero3 (or deepspeed with zero_stage=3)"
+        )
+    if p.name == "deepspeed" and p.offload_optimizer == "nvme" and p.zero_stage != 3:
+        raise ConfigError(
+            f"parallelism=deepspeed with zero_stage={p.zero_stage} keeps an nvme-offloaded "
+            "optimizer in CPU memory (DeepSpeed swaps to NVMe under stage 3 only); set "
+            "parallelism.zero_stage=3 or offload_optimizer=cpu"
+        )
+    nvme = "nvme" in (p.offload_optimizer, p.offload_params)
+    if nvme and not p.nvme_path:
+        raise ConfigError(
+            "parallelism.offload_*=nvme needs parallelism.nvme_path: a folder on a local disk "
+            "with room for the offloaded states"
+        )
+    if p.nvme_path and not nvme:
+        raise ConfigError(
+            "parallelism.nvme_path is read only with offload_optimizer=nvme or "
+            "offload_params=nvme; set one of them or drop nvme_path"
+        )
+
+
 @dataclass
 class ParallelismConfig:
     name: str = "single"  # one of STRATEGY_NAMES
@@ -113,11 +163,17 @@ class ParallelismConfig:
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     zero_stage: int = 0  # parallelism=deepspeed only: its ZeRO stage, 0..3
-    # Optimizer states (and fp32 master weights) in CPU memory, stepped there (ZeRO-Offload):
-    # zero1-3 and deepspeed.
-    offload_optimizer: bool = False
-    # Sharded parameters in CPU memory: fsdp (CPUOffloadPolicy) and deepspeed stage 3.
-    offload_params: bool = False
+    # Where the optimizer states and fp32 master weights live (OFFLOAD_TIERS): none (the
+    # device), cpu (CPU memory, stepped there: ZeRO-Offload) or nvme (files under nvme_path,
+    # streamed through CPU memory a bucket at a time: ZeRO-Infinity); zero1-3 and deepspeed.
+    # true and false are kept as spellings of cpu and none.
+    offload_optimizer: str = "none"
+    # Where the sharded parameters live: cpu for fsdp (CPUOffloadPolicy), zero3 and deepspeed
+    # stage 3; nvme for zero3 and deepspeed stage 3.
+    offload_params: str = "none"
+    # offload_*=nvme: the folder (on a fast local disk) each rank's files go under, in a
+    # per-run, per-rank subfolder removed at the end of the run.
+    nvme_path: str | None = None
     # zero3 and fsdp: gather the next block's parameters while the current one computes.
     prefetch: bool = True
     # fsdp: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).
@@ -184,18 +240,9 @@ class ParallelismConfig:
                 f"parallelism.zero_stage={self.zero_stage} applies to parallelism=deepspeed "
                 f"only; use parallelism=zero{self.zero_stage} for our ZeRO"
             )
-        if self.offload_optimizer and self.name not in ("zero1", "zero2", "zero3", "deepspeed"):
-            raise ConfigError(
-                f"parallelism.offload_optimizer=true needs zero1-3 or deepspeed, not "
-                f"{self.name}; for fsdp use parallelism.offload_params=true"
-            )
-        if self.offload_params and not (
-            self.name == "fsdp" or (self.name == "deepspeed" and self.zero_stage == 3)
-        ):
-            raise ConfigError(
-                "parallelism.offload_params=true needs parallelism=fsdp, or deepspeed with "
-                "zero_stage=3"
-            )
+        self.offload_optimizer = offload_tier("offload_optimizer", self.offload_optimizer)
+        self.offload_params = offload_tier("offload_params", self.offload_params)
+        _check_offload(self)
         if self.replicate > 1 and self.name != "fsdp":
             raise ConfigError(
                 f"parallelism.replicate={self.replicate} (HSDP) needs parallelism=fsdp"

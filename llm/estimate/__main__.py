@@ -109,7 +109,13 @@ def _deepspeed_lines(cfg, args, est) -> tuple[list[str], dict | None]:
         n, largest = int(e.num_params), 0
     gpus = e.gpus_per_node or cfg.launcher.nproc_per_node
     own = deepspeed_own(
-        par.zero_stage, n, largest, gpus, e.nodes, par.offload_optimizer, par.offload_params
+        par.zero_stage,
+        n,
+        largest,
+        gpus,
+        e.nodes,
+        par.offload_optimizer != "none",  # DeepSpeed's estimators: off the GPU, cpu or nvme
+        par.offload_params != "none",
     )
     ours = sum(est.device.get(k, 0) for k in ("params", "grads", "optimizer_states"))
     where = own.source if own.source != "transcribed" else "deepspeed not importable: 0.19.8's"
@@ -135,13 +141,15 @@ def _plan_table(cfg, rows, model: dict) -> Table:
     )
     # b: sequences per micro-batch; m: micro-batches per step.
     # ep: expert-parallel ranks (MoE shapes; 1 for a dense model).
-    names = ("dp", "tp", "pp", "ep", "zero", "recompute", "b", "m", "per GPU", "bubble", "step s")
+    # offload: where the ZeRO states go for the layout to fit (nvme: only files have room).
+    names = ("dp", "tp", "pp", "ep", "zero", "offload", "recompute", "b", "m", "per GPU")
+    names += ("bubble", "step s")
     for name in names:
         table.add_column(name, justify="right", no_wrap=True)
     for r in rows:
         lay = r.layout
         table.add_row(
-            *map(str, (lay.dp, lay.tp, lay.pp, lay.ep, lay.zero_stage, lay.recompute)),
+            *map(str, (lay.dp, lay.tp, lay.pp, lay.ep, lay.zero_stage, r.offload, lay.recompute)),
             str(lay.micro_batch),
             str(lay.microbatches),
             human(r.bytes_per_gpu),

@@ -23,6 +23,8 @@ class Cluster:
     inter_node: float  # bytes/s per GPU on InfiniBand
     # estimate.device's measured rates; None: every matmul at flops_per_s.
     profile: DeviceProfile | None = None
+    host_memory: int = 2048 * GIB  # bytes per node, for offload to cpu
+    nvme: float = 25e9  # bytes/s per node each way, for offload to nvme
 
     @classmethod
     def from_config(cls, cfg: Config) -> Cluster:
@@ -35,6 +37,8 @@ class Cluster:
             intra_node=e.intra_node_gb_s * 1e9,
             inter_node=e.inter_node_gb_s * 1e9,
             profile=resolve(e.device),
+            host_memory=int(e.host_memory_gb * GIB),
+            nvme=e.nvme_gb_s * 1e9,
         )
 
     @property

@@ -51,6 +51,7 @@ class Estimate:
     device_memory: int
     activations: dict | None = None  # per-layer terms, outside terms, counts
     stages: list[StageRows] | None = None
+    disk: dict[str, int] = dataclasses.field(default_factory=dict)  # in nvme files
 
     @property
     def total(self) -> int:
@@ -66,6 +67,7 @@ class Estimate:
             "rank": self.rank,
             "device_bytes": self.device,
             "host_bytes": self.host,
+            "nvme_bytes": self.disk,
             "total_bytes": self.total,
             "device_memory_bytes": self.device_memory,
             "fits": self.fits,
@@ -142,7 +144,8 @@ def estimate(cfg: Config, args) -> Estimate:
     policy = estimate_policy(cfg.precision.name, e.kernels, cfg.precision.fp8_recipe)
     if e.num_params is not None:
         stage = int(par.name[-1]) if par.name.startswith("zero") else par.zero_stage
-        states = paper_states(int(e.num_params), world, stage, policy, cfg.optimizer)
+        offload = (par.offload_optimizer, par.offload_params)
+        states = paper_states(int(e.num_params), world, stage, policy, cfg.optimizer, *offload)
         return _assemble(cfg, states, None, int(e.num_params), policy, world)
     name = cfg.recompute.name
     if name == "op_sac" and cfg.recompute.save_every_other_mm:
@@ -260,6 +263,7 @@ def _assemble(cfg: Config, states: RankStates, acts, n_params: int, policy, worl
     return Estimate(
         device=device,
         host={k: v for k, v in states.host.items() if v},
+        disk={k: v for k, v in states.disk.items() if v},
         comm_bytes=comm,
         world=world,
         rank=cfg.estimate.rank,

@@ -60,6 +60,10 @@ class LayoutEstimate:
     step_time_s: float
     bubble: float
     comm_bytes: dict[str, int] = field(default_factory=dict)  # per GPU and step: tp, pp, dp, ep
+    # Where the ZeRO states went for the layout to fit: none (it fits as is), cpu (host
+    # memory has room for every GPU's) or nvme (only files have room); bytes_per_gpu is then
+    # what stays on the device.
+    offload: str = "none"
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,29 @@ def _compute_s(w: Workload, layout: Layout, pp_rank: int, cluster: Cluster) -> f
     return _flops_per_token(w, layout, pp_rank) * layout.micro_batch * w.seq / cluster.flops_per_s
 
 
+def _offload_tier(
+    layout: Layout, by_stage: dict[str, dict[str, int]], total: int, cluster: Cluster
+) -> tuple[str, int, float]:
+    """A layout too big for its devices, when ZeRO's offload makes it fit: the tier (cpu
+    when every GPU's moved states fit the node's host memory, else nvme), the bytes left on
+    each GPU, and the step's extra seconds (nvme: the states read and written once per step
+    by every GPU of the node at the node's NVMe speed; cpu's PCIe copies are not priced).
+    The optimizer states move first; under stage 3 the parameter shards too, if needed."""
+    if total <= cluster.device_memory or layout.zero_stage == 0:
+        return "none", total, 0.0
+    moves = [("optimizer_states",)] + ([("optimizer_states", "params")] * (layout.zero_stage == 3))
+    for rows in moves:
+        moved = max(sum(s[r] for r in rows) for s in by_stage.values())
+        left = max(sum(v for k, v in s.items() if k not in rows) for s in by_stage.values())
+        if left > cluster.device_memory:
+            continue
+        node = moved * cluster.gpus_per_node
+        if node <= cluster.host_memory:
+            return "cpu", left, 0.0
+        return "nvme", left, 2 * node / cluster.nvme
+    return "none", total, 0.0
+
+
 def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEstimate:
     itemsize = w.policy.working_dtype.itemsize
     b, s, h, m = layout.micro_batch, w.seq, w.args.d_model, layout.microbatches
@@ -187,13 +214,15 @@ def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEsti
     last_backward = 2 / 3 * _compute_s(w, layout, 0, cluster)
     dp_s = ring_seconds(reduce, layout.dp, dp_bw, phases=end_phases)
     total = max(sum(v.values()) for v in by_stage.values())
+    offload, total, io_s = _offload_tier(layout, by_stage, total, cluster)
     return LayoutEstimate(
         layout=layout,
         by_stage=by_stage,
         bytes_per_gpu=total,
         fits=total <= cluster.device_memory,
-        step_time_s=pipeline_s + max(0.0, dp_s - last_backward),
+        step_time_s=pipeline_s + max(0.0, dp_s - last_backward) + io_s,
         bubble=share,
+        offload=offload,
         comm_bytes={
             "tp": m * tp_payload,
             "pp": pp_bytes,

@@ -1,6 +1,9 @@
 """``estimate.plan=true``: every layout of the cluster's devices (dp x tp x pp, a ZeRO stage
 over dp, recompute, micro-batch size and count) for the global batch, priced by
 llm.estimate.layout_estimate; those that fit first, fastest first, then the rest by memory.
+A layout that fits only by offloading its ZeRO states (to host memory, or to NVMe when the
+node's host memory is too small: ``offload`` in each row) ranks after every layout that fits
+without, cpu before nvme.
 
 Candidates: tp a divisor of gpus_per_node that the heads, d_model and d_ff divide and
 that divides the kv heads or is a multiple of them (replicated: llm.parallel.tensor_parallel)
@@ -115,7 +118,15 @@ def plan(cfg: Config, args: ModelArgs) -> list[LayoutEstimate]:
             f"no layout of {cluster.world} devices divides the global batch of {batch} "
             "sequences; set estimate.global_batch to a multiple of the data-parallel sizes"
         )
-    return sorted(rows, key=lambda r: (not r.fits, r.step_time_s if r.fits else r.bytes_per_gpu))
+    tier = {"none": 0, "cpu": 1, "nvme": 2}
+    return sorted(
+        rows,
+        key=lambda r: (
+            not r.fits,
+            tier[r.offload],
+            r.step_time_s if r.fits else r.bytes_per_gpu,
+        ),
+    )
 
 
 def plan_row(est: LayoutEstimate) -> dict:
@@ -132,6 +143,7 @@ def plan_row(est: LayoutEstimate) -> dict:
         "micro_batch": lay.micro_batch,
         "bytes_per_gpu": est.bytes_per_gpu,
         "fits": est.fits,
+        "offload": est.offload,
         "step_time_s": est.step_time_s,
         "bubble": est.bubble,
         "comm_bytes_per_gpu": est.comm_bytes,

@@ -36,17 +36,19 @@ def count(n: float) -> str:
 def estimate_table(est: Estimate, title: str) -> Table:
     table = Table(title=title)
     per_rank = "per rank" if est.stages is None else f"rank {est.rank} (largest stage)"
-    for name in (per_rank, "bytes", "size", "host (offloaded)"):
+    names = (per_rank, "bytes", "size", "host (offloaded)") + (("nvme",) if est.disk else ())
+    for name in names:
         table.add_column(name, justify="left" if name == per_rank else "right")
+    blank = ("",) * (len(names) - 3)
     for row, value in est.device.items():
-        host = est.host.get(row, 0)
-        table.add_row(row, f"{value:,}", human(value), human(host) if host else "")
+        elsewhere = [est.host.get(row, 0)] + ([est.disk.get(row, 0)] if est.disk else [])
+        table.add_row(row, f"{value:,}", human(value), *(human(n) if n else "" for n in elsewhere))
     verdict = "fits" if est.fits else "does NOT fit"
-    table.add_row("total", f"{est.total:,}", human(est.total), "", style="bold")
+    table.add_row("total", f"{est.total:,}", human(est.total), *blank, style="bold")
     table.add_row(
-        f"device memory ({verdict})", f"{est.device_memory:,}", human(est.device_memory), ""
+        f"device memory ({verdict})", f"{est.device_memory:,}", human(est.device_memory), *blank
     )
-    table.add_row("communication / step", f"{est.comm_bytes:,}", human(est.comm_bytes), "")
+    table.add_row("communication / step", f"{est.comm_bytes:,}", human(est.comm_bytes), *blank)
     return table
 
 

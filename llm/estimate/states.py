@@ -16,6 +16,12 @@ With tensor parallel (``parallelism.tp_size``) every figure is of the rank's loc
 world / (tp * pp), as the strategies shard them. Under pipeline parallel ``model`` is the
 rank's ``PipelinePart`` (a tied head copy on the last stage is a parameter of its own, and
 our ZeRO buckets it alone, as the strategy does).
+
+Offload moves rows off the device: ``offload_optimizer=cpu`` the master and moments to host
+memory; ``nvme`` to files (``disk``), leaving in host memory the pool the step streams them
+through (three buffers of the largest bucket's master and moments); under stage 3
+``offload_params=nvme`` the parameter shards go to files as well, and host memory keeps the
+four-unit read-ahead pool (llm/parallel/zero/nvme/).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from llm.optim import OPTIMIZERS, optimizer_param_groups, pieces_state_bytes
 from llm.parallel.pipeline import PipelinePart
 from llm.parallel.tensor_parallel import tp_local_shapes
 from llm.parallel.zero.layout import model_buckets
+from llm.parallel.zero.nvme.direct_file import aligned
+from llm.parallel.zero.nvme.optimizer_swap import SLOTS as OPTIMIZER_SLOTS
+from llm.parallel.zero.nvme.param_swap import SLOTS as PARAM_SLOTS
 from llm.precision import PrecisionPolicy
 
 KINDS = ("params", "grads", "optimizer_states")
@@ -39,10 +48,11 @@ KINDS = ("params", "grads", "optimizer_states")
 
 @dataclass
 class RankStates:
-    """Device bytes by category, and what an offload moves to host memory."""
+    """Device bytes by category, what an offload moves to host memory, and to nvme files."""
 
     device: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     host: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    disk: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
 
     @property
     def total(self) -> int:
@@ -84,24 +94,34 @@ def model_states(
         out = _replica(params, shapes, policy, opt, kinds)
     elif par.name == "fsdp":  # HSDP shards within each of the replicate groups
         shard = dp // par.replicate
-        out = _fsdp(params, shapes, policy, opt, kinds, shard, dp_rank % shard, par.offload_params)
+        offload = par.offload_params == "cpu"
+        out = _fsdp(params, shapes, policy, opt, kinds, shard, dp_rank % shard, offload)
     elif par.name in ("zero1", "zero2", "zero3"):
         out = _zero(model, shapes, par, policy, opt, kinds, dp, dp_rank, frozenset(experts))
     else:
         n = sum(p.numel() for p in params)
-        return paper_states(n, world, par.zero_stage, policy, opt, par.offload_optimizer)
+        offload = (par.offload_optimizer, par.offload_params)
+        return paper_states(n, world, par.zero_stage, policy, opt, *offload)
     if experts:  # each rank's E / ep experts beside the strategy's states
         local = {x: torch.Size((x.shape[0] // par.ep_size, *x.shape[1:])) for x in experts}
         edp = dp // par.ep_size
         if par.name == "fsdp" and edp > 1:  # each slice sharded again over its edp ranks
             extra = _fsdp(
-                experts, local, policy, opt, kinds, edp, dp_rank // par.ep_size, par.offload_params
+                experts,
+                local,
+                policy,
+                opt,
+                kinds,
+                edp,
+                dp_rank // par.ep_size,
+                par.offload_params == "cpu",
             )
         else:  # whole on each rank of the edp group
             extra = _replica(experts, local, policy, opt, kinds)
         for kind in KINDS:
             out.device[kind] += extra.device[kind]
             out.host[kind] += extra.host[kind]
+            out.disk[kind] += extra.disk[kind]
     return out
 
 
@@ -172,16 +192,21 @@ def _zero(
     buckets = model_buckets(
         model, stage, par.bucket_cap_mb, w, world, shapes.__getitem__, alone, align, skip
     )
-    separate = policy.master_dtype != policy.working_dtype or par.offload_optimizer
+    offload, nvme = par.offload_optimizer, "nvme" in (par.offload_optimizer, par.offload_params)
+    separate = policy.master_dtype != policy.working_dtype or offload != "none" or nvme
     out = RankStates()
-    opt_where = out.host if par.offload_optimizer else out.device
+    opt_where = {"none": out.device, "cpu": out.host, "nvme": out.disk}[offload]
+    shard_where = {"none": out.device, "cpu": out.host, "nvme": out.disk}[par.offload_params]
     shapes = []
     for b in buckets:
-        out.device["params"] += w * (b.shard if stage == 3 else b.padded)
+        if stage == 3:
+            shard_where["params"] += w * b.shard
+        else:
+            out.device["params"] += w * b.padded
         if not b.trainable:
             continue
         out.device["grads"] += m * b.shard + (w * b.padded if stage == 1 else 0)
-        if par.offload_optimizer:  # the master's gradient, on the host
+        if offload != "none":  # the master's gradient, on the host
             out.host["grads"] += m * b.shard
         if separate:
             opt_where["optimizer_states"] += m * b.shard
@@ -189,7 +214,30 @@ def _zero(
             kind = kinds[id(piece.slot.param)]
             shapes.append(((piece.stop - piece.start,), kind, tuple(piece.slot.shape)))
     opt_where["optimizer_states"] += _opt_bytes(opt, shapes)
+    if offload == "nvme":
+        out.host["optimizer_states"] += _optimizer_pool(buckets, m, opt)
+    if stage == 3 and par.offload_params == "nvme":
+        out.host["params"] += _param_pool(buckets, w)
     return out
+
+
+def _optimizer_pool(buckets, itemsize: int, opt: OptimizerConfig) -> int:
+    """nvme/optimizer_swap.py's buffers: three slots, each the largest bucket's shard once
+    for the master and once per moment (page-aligned)."""
+    stride = max((aligned(b.shard * itemsize) for b in buckets if b.trainable), default=0)
+    probe = 1 << 20  # per-element state, the per-tensor step count diluted away
+    moments = OPTIMIZERS[opt.name].state_bytes((probe,), "matrix", opt) // (probe * itemsize)
+    return OPTIMIZER_SLOTS * stride * (1 + moments)
+
+
+def _param_pool(buckets, itemsize: int) -> int:
+    """nvme/param_swap.py's buffers: four slots of the widest unit's shards, and one bucket's
+    staging buffer for the step's writes."""
+    units: dict[int, int] = {}
+    for b in buckets:
+        units[b.unit] = units.get(b.unit, 0) + aligned(b.shard * itemsize)
+    staging = max((aligned(b.shard * itemsize) for b in buckets), default=0)
+    return PARAM_SLOTS * max(units.values(), default=0) + staging
 
 
 def paper_states(
@@ -198,11 +246,14 @@ def paper_states(
     stage: int,
     policy: PrecisionPolicy,
     opt: OptimizerConfig,
-    offload_optimizer: bool = False,
+    offload_optimizer: str = "none",
+    offload_params: str = "none",
 ) -> RankStates:
     """The ZeRO paper's per-rank model states (Rajbhandari et al. 2020, section 3.1):
     16-bit params and grads (2Φ each), K·Φ of optimizer states (K = fp32 master + the
-    optimizer's own state per element: 12 for Adam), partitioned by stage over N ranks."""
+    optimizer's own state per element: 12 for Adam), partitioned by stage over N ranks; an
+    offload moves the optimizer states (and, under stage 3, the parameters) to host memory
+    (cpu) or files (nvme)."""
     w = policy.working_dtype.itemsize
     k = (policy.master_dtype.itemsize if w < 4 else 0) + OPTIMIZERS[opt.name].state_bytes(
         (n_params,), "matrix", opt
@@ -212,6 +263,8 @@ def paper_states(
     grads = w * n_params / (n if stage >= 2 else 1)
     states = k * n_params / (n if stage >= 1 else 1)
     out = RankStates()
-    out.device["params"], out.device["grads"] = round(params), round(grads)
-    (out.host if offload_optimizer else out.device)["optimizer_states"] = round(states)
+    out.device["grads"] = round(grads)
+    where = {"none": out.device, "cpu": out.host, "nvme": out.disk}
+    where[offload_params if stage == 3 else "none"]["params"] = round(params)
+    where[offload_optimizer]["optimizer_states"] = round(states)
     return out

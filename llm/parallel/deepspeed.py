@@ -115,10 +115,25 @@ def _require_cpu_adam() -> None:
     except Exception as exc:  # a failed build surfaces as several exception types
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
-            f"parallelism.offload_optimizer=true needs DeepSpeed's CPU Adam, which did not build "
-            f"({reason}); install a C++ compiler and Python headers, or set "
-            "parallelism.offload_optimizer=false"
+            f"parallelism.offload_optimizer=cpu or nvme needs DeepSpeed's CPU Adam, which did "
+            f"not build ({reason}); install a C++ compiler and Python headers, or set "
+            "parallelism.offload_optimizer=none"
         ) from exc
+
+
+def _require_async_io() -> None:
+    """DeepSpeed swaps to NVMe with its async_io op, which needs libaio (the libaio-dev
+    package's library and headers) to JIT-build. Without it DeepSpeed 0.19.8 fails inside
+    its swapper with "Unable to JIT load the async_io op due to it not being compatible due
+    to hardware/software issue. None"; this says what is missing instead."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise ConfigError(
+            "parallelism.offload_*=nvme under deepspeed needs DeepSpeed's async_io op, which "
+            "cannot build here: libaio's library and headers are missing; install libaio-dev, "
+            "or use parallelism=zero3 with the same offload (our own nvme tier)"
+        )
 
 
 @register_strategy("deepspeed")
@@ -179,7 +194,9 @@ class DeepSpeedStrategy:
         # llm.parallel.strategy.refuse_optimizer).
         client = None if "optimizer" in self.ds_config else build_optimizer(model, opt_cfg)
         announce_builds(optimizer_ops(self.ds_config, self.device))
-        if client is None and self.cfg.offload_optimizer:
+        if "nvme" in (self.cfg.offload_optimizer, self.cfg.offload_params):
+            _require_async_io()
+        if client is None and self.cfg.offload_optimizer != "none":
             _require_cpu_adam()
         self.engine, *_ = deepspeed.initialize(
             model=model,
@@ -209,6 +226,13 @@ class DeepSpeedStrategy:
     def loss_context(self, training: bool = True):
         # Tensor parallel is refused with DeepSpeed: the loss is plain cross-entropy.
         return contextlib.nullcontext()
+
+    def offload_facts(self) -> dict | None:
+        """DeepSpeed's NVMe swapping keeps its own files and counters."""
+        return None
+
+    def close(self) -> None:
+        """DeepSpeed's swap files stay under nvme_path/zero_stage_3 as it leaves them."""
 
     def measure(self, on: bool) -> None:
         self._measuring = on

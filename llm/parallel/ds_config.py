@@ -104,20 +104,30 @@ def zero_section(cfg: Config, precision: PrecisionPolicy, on_gpu: bool, d_model:
         # Side streams overlap reduction with backward on a GPU; on CPU they only add copies.
         overlap_comm=on_gpu,
     )
-    if p.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if p.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload_section(p.offload_optimizer, p.nvme_path, on_gpu)
     if p.zero_stage == 3:
         zero["stage3_prefetch_bucket_size"] = bucket if p.prefetch else 0
         # Hugging Face's "auto": parameters this small stay whole on every rank, so each norm
         # gain is not gathered on its own.
         zero["stage3_param_persistence_threshold"] = 10 * d_model
-        if p.offload_params:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+        if p.offload_params != "none":
+            zero["offload_param"] = _offload_section(p.offload_params, p.nvme_path, on_gpu)
         if cfg.optimizer.name == "muon":
             # DeepSpeed's stage-3 Muon refuses reduce-scatter: it all-gathers each whole
             # gradient to orthogonalise it (all-reduce, then keeps its partition).
             zero["reduce_scatter"] = False
     return zero
+
+
+def _offload_section(tier: str, nvme_path: str | None, on_gpu: bool) -> dict[str, Any]:
+    """DeepSpeed's offload_optimizer / offload_param section for our tier: pinned host
+    buffers on a GPU; under nvme its swap folder (DeepSpeed makes its own subfolders there)
+    and the async-I/O op (libaio) that does the swapping."""
+    section: dict[str, Any] = {"device": tier, "pin_memory": on_gpu}
+    if tier == "nvme":
+        section["nvme_path"] = nvme_path
+    return section
 
 
 def generate(cfg: Config, dp_size: int, precision: PrecisionPolicy, on_gpu: bool, d_model: int):
@@ -143,7 +153,7 @@ def generate(cfg: Config, dp_size: int, precision: PrecisionPolicy, on_gpu: bool
         # DeepSpeed builds it so that ZeRO-Offload gets its CPU Adam; elsewhere torch's AdamW,
         # the same arithmetic as every other strategy (no fused CUDA op is needed).
         params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
-        params["torch_adam"] = not cfg.parallelism.offload_optimizer
+        params["torch_adam"] = cfg.parallelism.offload_optimizer == "none"
         ds["optimizer"] = {"type": "AdamW", "params": params}
     elif o.name == "muon":
         # DeepSpeed's own Muon (MuonWithAuxAdam, every ZeRO stage): Newton-Schulz on the
@@ -159,6 +169,10 @@ def generate(cfg: Config, dp_size: int, precision: PrecisionPolicy, on_gpu: bool
         params = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
         params |= {"bias_correction": o.bias_correction}
         ds["optimizer"] = {"type": "Lamb", "params": params}
+    if "optimizer" not in ds and cfg.parallelism.offload_optimizer != "none":
+        # Our registry's optimizer stepped on the offloaded partitions (DeepSpeed refuses a
+        # client optimizer under offload unless told it is meant).
+        ds["zero_force_ds_cpu_optimizer"] = False
     return ds
 
 
@@ -290,6 +304,6 @@ def build_ds_config(
         # DeepSpeed's default Adam is a fused CUDA op; without a GPU use torch's (or CPU Adam
         # when offloading, where torch_adam is already false).
         filled["optimizer"].setdefault("params", {}).setdefault(
-            "torch_adam", not cfg.parallelism.offload_optimizer
+            "torch_adam", cfg.parallelism.offload_optimizer == "none"
         )
     return filled

@@ -95,7 +95,7 @@ class FSDPStrategy(SingleStrategy):
         return MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=p.reduce_dtype)
 
     def _offload(self) -> OffloadPolicy:
-        if not self.cfg.offload_params:
+        if self.cfg.offload_params == "none":
             return OffloadPolicy()
         # Pinned host memory needs a GPU (a CPU-only torch cannot pin).
         return CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
@@ -173,7 +173,7 @@ class FSDPStrategy(SingleStrategy):
         experts = {name: param.detach().clone() for name, param in held.items()}
         for root in roots:  # each FSDP root re-registers its shards after to_empty
             # With parameter offload FSDP2 keeps the shards in host memory.
-            root.to_empty(device="cpu" if self.cfg.offload_params else self.device)
+            root.to_empty(device="cpu" if self.cfg.offload_params == "cpu" else self.device)
         for name, param in model.named_parameters():
             if name in experts:  # a slice whole, or (sharded over edp) its rows here
                 value = experts[name]

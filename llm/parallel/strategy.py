@@ -104,6 +104,10 @@ class Strategy(SentBytes, Protocol):
 
     def measure(self, on: bool) -> None: ...
 
+    def offload_facts(self) -> dict | None: ...
+
+    def close(self) -> None: ...
+
 
 class StrategyBase:
     """What every strategy is built with (``build_strategy``'s arguments) and holds once it
@@ -192,6 +196,14 @@ class StrategyBase:
         """Whether the step to come is a probe (llm/train/probes.py), whose ``memory()`` the
         Trainer reads; set per step next to ``count_comm``. Only a strategy that samples
         memory during the step itself (DeepSpeed) needs to know."""
+
+    def offload_facts(self) -> dict | None:
+        """What an offload to nvme did (summary.json's ``offload``); None without one."""
+        return None
+
+    def close(self) -> None:
+        """The run is over, however it ended: release what outlives the process's memory
+        (our ZeRO's nvme files)."""
 
     def take_mesh_sent(self) -> dict[str, int]:
         """Bytes of the DTensor collectives counted since the last call (tensor parallel),

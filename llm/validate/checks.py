@@ -26,6 +26,7 @@ from llm.precision import precision_for
 from llm.precision.fp8 import convert_to_fp8
 from llm.train.checkpoint_files import META, list_checkpoints, step_of
 from llm.validate.compute import validate_attention, validate_fused_loss, validate_recompute
+from llm.validate.offload import validate_offload
 from llm.validate.parallel import (
     announce_replicated_kv,
     check_experts,
@@ -92,6 +93,7 @@ def validate(cfg: Config, world_size: int | None = None, rank_env: RankEnv | Non
     if device.type == "cpu" and world_size is None:
         check_cpu_ranks(nproc, cfg.launcher.allow_oversubscribe)
     validate_strategy(cfg, nproc, precision, device)
+    validate_offload(cfg, args, precision, cfg.launcher.nproc_per_node, nproc)
     if cfg.checkpoint.resume not in ("auto", "none"):
         check_resume_path(Path(cfg.checkpoint.resume))
     if cfg.model.init_from is not None and not Path(cfg.model.init_from).is_dir():

@@ -138,8 +138,8 @@ def check_experts(args: ModelArgs, p, optimizer: str, nproc: int) -> None:
             "tensors beside the strategy's shards, which only an element-wise optimizer "
             "(adamw, lion, sgd...) does alike; use one, or ep_size=1"
         )
-    if ep > 1 and p.offload_optimizer:
+    if ep > 1 and p.offload_optimizer != "none":
         raise ConfigError(
-            f"parallelism.offload_optimizer=true with ep_size={ep}: expert slices step on the "
-            "device; set offload_optimizer=false or ep_size=1"
+            f"parallelism.offload_optimizer={p.offload_optimizer} with ep_size={ep}: expert "
+            "slices step on the device; set offload_optimizer=none or ep_size=1"
         )

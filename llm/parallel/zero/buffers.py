@@ -9,6 +9,11 @@
 | grad_shard | S elements in the master dtype (fp32; bf16 under bf16_pure), persistent         |
 | master     | an fp32 copy of the shard under mixed precision or offload, else the shard      |
 
+Under ``offload_optimizer=nvme`` (``own_master``) the master is always a copy of its own: its
+storage is moved to a file right after it is built (nvme/optimizer_swap.py). Under stage 3
+``offload_params=cpu`` puts the shard in host memory (``shard_device``), and
+``offload_params=nvme`` moves it to a file (nvme/param_swap.py).
+
 Stage 1's grad_full is in the working dtype (bf16 under mixed precision) because autograd
 accumulates each micro-batch's gradient into ``param.grad`` in place, and ``.grad`` must have
 the parameter's dtype; an fp32 full buffer would cost 4Φ where the paper counts 2Φ. Its
@@ -45,12 +50,16 @@ class BucketBuffers:
         device: torch.device,
         reduce_dtype: torch.dtype,
         weights: WeightSource,
+        own_master: bool = False,
+        shard_device: torch.device | None = None,
     ) -> None:
         self.bucket = bucket
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         lo, hi = bucket.shard_range(rank)
-        separate = bucket.trainable and (master_dtype != working_dtype or master_device != device)
+        separate = bucket.trainable and (
+            own_master or master_dtype != working_dtype or master_device != device
+        )
         # fp32 values of this rank's slice, for the stage-3 shard and a separate master (which
         # starts from the source's values, not from rounded working weights).
         values = (
@@ -64,7 +73,13 @@ class BucketBuffers:
             if stage < 3:  # the working parameters are whole on every rank
                 view.copy_(weights.whole(slot.name, device).flatten())
             adopt(slot.param, view.view(slot.shape))
-        self.shard = self.full[lo:hi] if stage < 3 else values.to(working_dtype)
+        if stage < 3:
+            self.shard = self.full[lo:hi]
+        else:  # offload_params=cpu: in (pinned) host memory, copied over for each gather
+            where = shard_device or device
+            self.shard = values.to(device=where, dtype=working_dtype)
+            if where.type == "cpu" and device.type == "cuda":
+                self.shard = self.shard.pin_memory()
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.host_grad: torch.Tensor | None = None  # the master's gradient when offloaded
@@ -72,7 +87,7 @@ class BucketBuffers:
         self.pieces: list[Piece] = []
         self.piece_tensors: list[torch.Tensor] = []
         if bucket.trainable:
-            self._init_training(rank, master_dtype, master_device, values)
+            self._init_training(rank, master_dtype, master_device, values, separate)
         self.arrived = 0  # parameters whose gradient arrived in this backward
         if stage == 3:
             self.free()
@@ -91,7 +106,12 @@ class BucketBuffers:
         return values
 
     def _init_training(
-        self, rank: int, master_dtype: torch.dtype, master_device, values: torch.Tensor | None
+        self,
+        rank: int,
+        master_dtype: torch.dtype,
+        master_device,
+        values: torch.Tensor | None,
+        separate: bool,
     ) -> None:
         device, lo = self.full.device, self.bucket.shard_range(rank)[0]
         if self.stage == 1:
@@ -109,7 +129,7 @@ class BucketBuffers:
         # asynchronously (non_blocking) instead of through a staging buffer.
         host = {"dtype": master_dtype, "device": master_device}
         host["pin_memory"] = master_device.type == "cpu" and device.type == "cuda"
-        if master_dtype != self.full.dtype or master_device != device:
+        if separate:
             self.master = torch.empty(self.shard.shape, **host).copy_(values)
         if master_device != device:
             self.host_grad = torch.empty(self.shard.shape, **host)

@@ -30,6 +30,11 @@ Under fp16/bf16 the working parameters and gradients are 16-bit and the fp32 mas
 lives only in the partitioned optimizer: 2Φ + 2Φ + 12Φ/N bytes per rank at stage 1 as the
 paper counts, plus the fp32 gradient shard (4Φ/N) and the buckets in flight. Layout:
 layout.py; per-bucket tensors: buffers.py; checkpoints: state.py.
+
+Offload (``parallelism.offload_optimizer``): cpu keeps the masters and moments in host
+memory and steps them there; nvme keeps them in files and streams them through host memory
+a bucket at a time (nvme/optimizer_swap.py). Under stage 3 ``offload_params=nvme`` keeps the
+parameter shards in files too, read ahead of each block's gather (nvme/param_swap.py).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from llm.parallel.zero import state
 from llm.parallel.zero.buffers import BucketBuffers
 from llm.parallel.zero.gather import UnitGatherer
 from llm.parallel.zero.layout import model_buckets
+from llm.parallel.zero.nvme import OptimizerSwap, ParamSwap, RankFolder
 from llm.parallel.zero.reducer import GradientReducer
 
 
@@ -89,6 +95,9 @@ class ZeroStrategy(StrategyBase):
         self.piece_params: list = []  # (Piece, the tensor the optimizer steps), in order
         self.stage_group: dist.ProcessGroup | None = None
         self._sent = CommCounter()
+        self.folder: RankFolder | None = None  # offload to nvme: this rank's files
+        self.optimizer_swap: OptimizerSwap | None = None
+        self.param_swap: ParamSwap | None = None
 
     # ---- set-up -----------------------------------------------------------------------
     def wrap(self, model: nn.Module, weights: WeightSource | None = None) -> nn.Module:
@@ -127,7 +136,11 @@ class ZeroStrategy(StrategyBase):
         )
         if self.stage == 3:
             units = [[b for b in self.buffers if b.bucket.unit == u] for u in range(root + 1)]
-            self.gatherer = UnitGatherer(units, blocks, self.group, self.cfg.prefetch, self._count)
+            if self.param_swap is not None:
+                self.param_swap.set_units(units)
+            self.gatherer = UnitGatherer(
+                units, blocks, self.group, self.cfg.prefetch, self._count, self.param_swap
+            )
             # A pipeline runs the part's stage, never the part itself.
             self.gatherer.install(model if part is None else part.stages()[0])
         self.model = model
@@ -148,9 +161,14 @@ class ZeroStrategy(StrategyBase):
             align=self.quant_block,
             skip=frozenset(self.expert_shards.params.values() if self.expert_shards else ()),
         )
-        master_device = torch.device("cpu") if self.cfg.offload_optimizer else self.device
-        return [
-            BucketBuffers(
+        offload = self.cfg.offload_optimizer
+        master_device = torch.device("cpu") if offload != "none" else self.device
+        nvme = "nvme" in (offload, self.cfg.offload_params)
+        if nvme:
+            self._open_swaps(buckets)
+        out = []
+        for bucket in buckets:  # one at a time: a master goes to its file as soon as it exists
+            buf = BucketBuffers(
                 bucket,
                 self.rank,
                 self.stage,
@@ -160,9 +178,28 @@ class ZeroStrategy(StrategyBase):
                 self.device,
                 policy.reduce_dtype,
                 source,
+                own_master=nvme,
+                shard_device=torch.device("cpu") if self.cfg.offload_params == "cpu" else None,
             )
-            for bucket in buckets
-        ]
+            if self.optimizer_swap is not None and bucket.trainable:
+                self.optimizer_swap.take(buf)
+            if self.param_swap is not None:
+                self.param_swap.take(buf)
+            out.append(buf)
+        return out
+
+    def _open_swaps(self, buckets: list) -> None:
+        """This rank's folder under parallelism.nvme_path, and the files of what goes there."""
+        self.folder = RankFolder(self.cfg.nvme_path)
+        if self.cfg.offload_optimizer == "nvme":
+            trainable = [b for b in buckets if b.trainable]
+            master = self.precision.master_dtype
+            self.optimizer_swap = OptimizerSwap(
+                self.folder.path, trainable, self.rank, master, self.device
+            )
+        if self.cfg.offload_params == "nvme":
+            working = self.precision.working_dtype
+            self.param_swap = ParamSwap(self.folder.path, buckets, working, self.device)
 
     def _grad_group(self) -> dist.ProcessGroup | None:
         """Stage 3 issues parameter all-gathers during backward too. Collectives on one group
@@ -199,6 +236,8 @@ class ZeroStrategy(StrategyBase):
         self.optimizer = wrap_optimizer(
             optimizer_for_groups(groups, cfg), self.precision.update_rounding
         )
+        if self.optimizer_swap is not None:  # moments made and written bucket by bucket
+            self.optimizer_swap.add_state(self.optimizer)
         # Norm-based optimizers (LAMB) need whole-parameter norms of sharded pieces: the
         # parameter (slot) each of the optimizer's tensors, in param_groups order, is part of.
         slots = {id(s): i for i, s in enumerate(s for b in self._trainable for s in b.bucket.slots)}
@@ -346,26 +385,49 @@ class ZeroStrategy(StrategyBase):
                 names.append(name)
         return names
 
-    def _attach_grads(self) -> None:
-        """Each piece tensor's .grad: its slice of the bucket's reduced gradient shard."""
-        grads = [buf.master_grad() for buf in self._trainable]
-        if self.cfg.offload_optimizer and self.device.type == "cuda":
+    def _attach_grads(self, buffers: list[BucketBuffers] | None = None) -> None:
+        """Each piece tensor's .grad: its slice of the bucket's reduced gradient shard (of
+        ``buffers``, default every trainable bucket)."""
+        buffers = self._trainable if buffers is None else buffers
+        grads = [buf.master_grad() for buf in buffers]
+        if self.cfg.offload_optimizer != "none" and self.device.type == "cuda":
             # The host reads the gradients the device copied out asynchronously.
             torch.cuda.current_stream(self.device).synchronize()
-        for buf, grad in zip(self._trainable, grads, strict=True):
+        for buf, grad in zip(buffers, grads, strict=True):
             lo = buf.bucket.shard_range(self.rank)[0]
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 tensor.grad = grad[piece.start - lo : piece.stop - lo]
 
     def _optimizer_step(self) -> None:
+        if self.param_swap is not None:
+            self.param_swap.settle()
+        if self.optimizer_swap is not None:
+            self.optimizer_swap.step(self._step_bucket)
+            return
         self._attach_grads()
         self.optimizer.step()
         for buf in self._trainable:  # frozen buckets never change: nothing to gather
-            if buf.master is not buf.shard:
-                buf.shard.copy_(buf.master, non_blocking=True)
-            if self.stage < 3:  # stage 3 gathers lazily, block by block, in the next forward
-                all_gather(buf.full, buf.shard, group=self.group)
-                self._count("all_gather", buf.full)
+            self._publish(buf)
+
+    def _step_bucket(self, buf: BucketBuffers) -> None:
+        """One bucket's step while its master and moments are in memory (offload to nvme):
+        only its pieces have gradients, so the optimizer steps those alone."""
+        self._attach_grads([buf])
+        self.optimizer.step()
+        for tensor in buf.piece_tensors:
+            tensor.grad = None
+        # The pool buffer is refilled once this returns: the copy out of it completes first.
+        self._publish(buf, non_blocking=False)
+
+    def _publish(self, buf: BucketBuffers, non_blocking: bool = True) -> None:
+        """The stepped master as the working shard, and (stages 1-2) gathered again."""
+        if self.param_swap is not None:
+            self.param_swap.store(buf, buf.master)
+        elif buf.master is not buf.shard:
+            buf.shard.copy_(buf.master, non_blocking=non_blocking)
+        if self.stage < 3:  # stage 3 gathers lazily, block by block, in the next forward
+            all_gather(buf.full, buf.shard, group=self.group)
+            self._count("all_gather", buf.full)
 
     def take_gradient_pass(self, extra: GradientPass, tokens: torch.Tensor) -> None:
         """The pass's reduced gradient shards, as the pieces' .grad (llm/optim/gradient_pass.py)."""
@@ -413,23 +475,59 @@ class ZeroStrategy(StrategyBase):
         grads = [t for b in self.buffers for t in (b.grad_full, b.grad_shard, b.host_grad)]
         experts = list(self.expert_shards.params.values()) if self.expert_shards else []
         grads += [p.grad for p in experts]
+        # Offloaded to nvme: what is in memory is the pools the files stream through.
+        shards = [b.shard for b in self.buffers]
+        if self.param_swap is not None:
+            shards = self.param_swap.resident()
+        if self.optimizer_swap is not None:
+            states = self.optimizer_swap.resident()
+        else:
+            states = [b.master for b in self.buffers if b.master is not b.shard]
+            states += optimizer_state_tensors(self.optimizer)
         return {
-            "params": [b.full for b in self.buffers] + [b.shard for b in self.buffers] + experts,
+            "params": [b.full for b in self.buffers] + shards + experts,
             "grads": [t for t in grads if t is not None] + in_flight,
-            "optimizer_states": [b.master for b in self.buffers if b.master is not b.shard]
-            + optimizer_state_tensors(self.optimizer),
+            "optimizer_states": states,
         }
 
     def memory(self) -> dict[str, int]:
         return state_bytes(self.state_tensors())
 
+    def offload_facts(self) -> dict | None:
+        """Where the nvme tier's files are, which I/O it used and the bytes it moved."""
+        if self.folder is None:
+            return None
+        out = {"nvme_path": self.cfg.nvme_path}
+        if self.optimizer_swap is not None:
+            out["optimizer"] = self.optimizer_swap.facts()
+        if self.param_swap is not None:
+            out["params"] = self.param_swap.facts()
+        return out
+
+    def close(self) -> None:
+        """The end of the run: the nvme tier's files go (a crashed run's are cleared by the
+        next run's ranks: nvme/folder.py)."""
+        for swap in (self.optimizer_swap, self.param_swap):
+            if swap is not None:
+                swap.close()
+        if self.folder is not None:
+            self.folder.remove()
+
+    def _touch_swapped(self) -> None:
+        """A checkpoint reads or writes the offloaded files through their mappings."""
+        for swap in (self.optimizer_swap, self.param_swap):
+            if swap is not None:
+                swap.files.touched = True
+
     def state_dict(self) -> dict:
+        self._touch_swapped()
         saved = state.checkpoint_state(self)
         if self.schedule is not None:  # a tied head copy's state under the embedding's name
             saved["optimizer"] = self.schedule.checkpoint_names(saved["optimizer"], whole=True)
         return saved
 
     def load_state_dict(self, saved: dict) -> None:
+        self._touch_swapped()
         if self.schedule is not None:
             optim = self.schedule.checkpoint_names(saved["optimizer"], whole=False)
             saved = {**saved, "optimizer": optim}

@@ -1,0 +1,134 @@
+"""Our ZeRO's NVMe tier (parallelism.offload_optimizer=nvme, offload_params=nvme) against
+the same strategy in memory on 2 gloo ranks: losses, final weights and optimizer states
+equal bit for bit in fp32, across a resume too; and its files, faults and refusals."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import run, train_losses
+
+from llm.errors import DiskFullError
+from llm.parallel.zero.nvme import OptimizerSwap
+
+STEPS = ("train.max_steps=4", "parallelism.bucket_cap_mb=0.05", "launcher.nproc_per_node=2")
+
+
+def checkpoint_tensors(out) -> dict[str, torch.Tensor]:
+    """Every tensor of a run's last checkpoint (weights and optimizer moments), by key."""
+    return _tensors(sorted((out / "checkpoints").glob("step_*"))[-1])
+
+
+def _tensors(ckpt) -> dict[str, torch.Tensor]:
+    reader = dcp.FileSystemReader(str(ckpt))
+    meta = reader.read_metadata()
+    state = {
+        k: torch.empty(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if hasattr(v, "size") and v.size
+    }
+    dcp.load(state, storage_reader=reader)
+    return state
+
+
+def assert_same_run(a, b) -> None:
+    assert train_losses(a) == train_losses(b)
+    ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+    assert ta.keys() == tb.keys() and any(k.startswith("optimizer.state") for k in ta)
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nvme_equals_in_memory(tmp_path, text_corpus, cache_dir, stage):
+    extra = (f"parallelism=zero{stage}", *STEPS)
+    _, memory = run(tmp_path, "memory", text_corpus, cache_dir, *extra)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    offload = [f"parallelism.nvme_path={nvme}", "parallelism.offload_optimizer=nvme"]
+    if stage == 3:
+        offload.append("parallelism.offload_params=nvme")
+    summary, out = run(tmp_path, "offloaded", text_corpus, cache_dir, *extra, *offload)
+    assert_same_run(memory, out)
+    ranks = summary["offload"]
+    assert [r["optimizer"]["steps"] for r in ranks] == [4, 4]
+    assert list(nvme.iterdir()) == []  # the files went with the run
+
+
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_of_the_nvme_tier(tmp_path, text_corpus, cache_dir):
+    """Stage 3 with parameters and optimizer on nvme, stopped after step 2 and resumed: the
+    checkpoint is saved from the files and loaded back into them."""
+    extra = ("parallelism=zero3", *STEPS)
+    _, memory = run(tmp_path, "memory", text_corpus, cache_dir, *extra)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    offload = (
+        f"parallelism.nvme_path={nvme}",
+        "parallelism.offload_optimizer=nvme",
+        "parallelism.offload_params=nvme",
+    )
+    _, half = run(
+        tmp_path, "half", text_corpus, cache_dir, *extra, *offload, "train.stop_at_step=2"
+    )
+    ckpt = sorted((half / "checkpoints").glob("step_*"))[-1]
+    _, resumed = run(
+        tmp_path, "resumed", text_corpus, cache_dir, *extra, *offload, f"checkpoint.resume={ckpt}"
+    )
+    losses = train_losses(memory)
+    assert train_losses(resumed) == {s: v for s, v in losses.items() if s > 2}
+    ta, tb = checkpoint_tensors(memory), checkpoint_tensors(resumed)
+    assert ta.keys() == tb.keys()
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_run_is_one_line_and_the_checkpoint_before_is_intact(
+    tmp_path, text_corpus, cache_dir, monkeypatch
+):
+    """One in-process rank, so the write can be made to fail: from step 3 on every write to
+    the offloaded files meets ENOSPC. The run stops with one line naming the folder, the
+    step-2 checkpoint equals the in-memory run's, and the files are gone."""
+    extra = (
+        "parallelism=zero1",
+        "launcher.nproc_per_node=1",
+        "train.max_steps=4",
+        "checkpoint.every=2",
+        "parallelism.bucket_cap_mb=0.05",
+    )
+    _, memory = run(tmp_path, "memory", text_corpus, cache_dir, *extra)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    real_step = OptimizerSwap.step
+
+    def step(self, step_bucket):
+        if self.steps == 2:  # from the third step on, the disk is full
+            for file in self.files.files.values():
+                monkeypatch.setattr(
+                    file,
+                    "write",
+                    lambda buf, off, f=file: f._raise_if_full(
+                        OSError(errno.ENOSPC, "No space left on device"), len(buf)
+                    ),
+                )
+        return real_step(self, step_bucket)
+
+    monkeypatch.setattr(OptimizerSwap, "step", step)
+    offload = (f"parallelism.nvme_path={nvme}", "parallelism.offload_optimizer=nvme")
+    with pytest.raises(DiskFullError) as err:
+        run(tmp_path, "full", text_corpus, cache_dir, *extra, *offload)
+    message = str(err.value)
+    assert message.startswith(f"no space left on {nvme}/llm-offload.") and "\n" not in message
+    saved = sorted((tmp_path / "full" / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == ["step_000002"]
+    ours = checkpoint_tensors(tmp_path / "full")
+    theirs = _tensors(sorted((memory / "checkpoints").glob("step_*"))[0])
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    assert list(nvme.iterdir()) == []
