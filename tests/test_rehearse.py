@@ -1,0 +1,162 @@
+"""``python -m llm.rehearse``: one rank of an N-rank run in one process over torch's fake
+process group, checked against real gloo runs of the same layout (rank 0's tracked peak:
+model states exactly, the total within 2%; every collective's bytes exactly where routing
+does not decide them) and against the estimator (states exactly)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import compose_config, one_line, run, small_run_overrides
+
+from llm.build import model_args_for
+from llm.errors import ConfigError
+from llm.estimate.estimator import estimate
+from llm.rehearse.rank import rehearsal_config, rehearse
+
+STATES = ("params", "grads", "optimizer_states")
+# What the rehearsal sets itself, given to the real runs it is compared with.
+AS_REHEARSED = (
+    "train.max_steps=4",
+    "train.memory_tracking=alternate",
+    "train.eval_every=5",
+    "parallelism.count_comm=true",
+    "checkpoint.enabled=false",
+)
+
+
+def _rehearse(out: Path, corpus: Path, cache: Path, world: int, *extra: str, rank: int = 0):
+    overrides = small_run_overrides(out, corpus, cache, *extra)
+    cfg = compose_config([*overrides, f"rehearse.world_size={world}", f"rehearse.rank={rank}"])
+    return rehearse(cfg)
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (["parallelism=deepspeed"], "deepspeed.comm"),
+        (["layout=fsdp_dp2_pp2"], "point-to-point vote"),
+        (["checkpoint.resume=/tmp"], "starts from initial weights"),
+    ],
+)
+def test_what_cannot_be_rehearsed_is_refused_in_one_line(extra, why):
+    unused = Path("unused")
+    cfg = compose_config(
+        [*small_run_overrides(unused, unused, unused, *extra), "rehearse.world_size=4"]
+    )
+    with pytest.raises(ConfigError) as exc:
+        rehearsal_config(cfg)
+    assert why in one_line(exc)
+
+
+def test_a_rank_outside_the_world_and_a_missing_world_size_are_refused():
+    unused = Path("unused")
+    with pytest.raises(ConfigError, match=r"rehearse\.rank=4 is not a rank"):
+        compose_config(
+            [
+                *small_run_overrides(unused, unused, unused),
+                "rehearse.world_size=4",
+                "rehearse.rank=4",
+            ]
+        )
+    cfg = compose_config(small_run_overrides(unused, unused, unused))
+    with pytest.raises(ConfigError, match=r"rehearse\.world_size is not set"):
+        rehearsal_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "world, rank, extra",
+    [
+        (8, 5, ["parallelism=zero2"]),
+        (8, 3, ["parallelism=fsdp", "parallelism.tp_size=2"]),
+    ],
+)
+def test_the_estimator_equals_the_rehearsal_for_model_states(
+    tmp_path, text_corpus, cache_dir, world, rank, extra
+):
+    """Any rank of a world no real run here reaches: the estimator's params, grads and
+    optimizer states for that rank equal what the rehearsed rank's strategy holds."""
+    summary = _rehearse(tmp_path, text_corpus, cache_dir, world, *extra, rank=rank)
+    unused = Path("unused")
+    cfg = compose_config(
+        [
+            *small_run_overrides(unused, unused, unused, *extra),
+            f"launcher.nproc_per_node={world}",
+            "estimate.device=cpu",
+            f"estimate.rank={rank}",
+        ]
+    )
+    est = estimate(cfg, model_args_for(cfg, vocab_size=257))  # the byte tokenizer's
+    assert {k: est.device[k] for k in STATES} == summary["model_state_bytes"][0]
+
+
+LAYOUTS = {
+    "ddp_x2": (2, ["parallelism=ddp"]),
+    "zero3_x2": (2, ["parallelism=zero3"]),
+    "zero1_x4": (4, ["parallelism=zero1"]),
+    "fsdp_tp2_x4": (4, ["parallelism=fsdp", "parallelism.tp_size=2"]),
+    "hsdp_x4": (4, ["parallelism=fsdp", "parallelism.replicate=2"]),
+    "ddp_ep4_x4": (4, ["layout=ddp_dp4_ep4", "model=moe-tiny"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_rank_0_rehearsed_equals_the_real_run(tmp_path, text_corpus, cache_dir, name):
+    """The real N-rank gloo run and the rehearsal of its rank 0 (and of its last rank) at
+    the same layout and steps: the tracked step peak's model states and the strategy's
+    state bytes exactly, the peak's total within 2%, and the bytes of every collective
+    exactly, except the MoE exchange's, which follow where this step's tokens routed."""
+    world, extra = LAYOUTS[name]
+    real, _ = run(
+        tmp_path,
+        "real",
+        text_corpus,
+        cache_dir,
+        f"launcher.nproc_per_node={world}",
+        *AS_REHEARSED,
+        *extra,
+    )
+    rehearsed = _rehearse(tmp_path / "rehearsed", text_corpus, cache_dir, world, *extra)
+    peak, measured = rehearsed["memory_peak"][0], real["memory_peak"][0]
+    assert {k: peak[k] for k in STATES} == {k: measured[k] for k in STATES}
+    assert rehearsed["model_state_bytes"][0] == real["model_state_bytes"][0]
+    assert peak["total"] == pytest.approx(measured["total"], rel=0.02)
+    comm, real_comm = rehearsed["comm_bytes_per_step"][0], real["comm_bytes_per_step"][0]
+    routed = {"all_to_all"}
+    assert {k: v for k, v in comm.items() if k not in routed} == {
+        k: v for k, v in real_comm.items() if k not in routed
+    }
+    last = _rehearse(tmp_path / "last", text_corpus, cache_dir, world, *extra, rank=world - 1)
+    assert last["model_state_bytes"][0] == real["model_state_bytes"][-1]
+
+
+def test_the_command_prints_its_table_and_writes_its_json(tmp_path, text_corpus, cache_dir):
+    out = tmp_path / "run"
+    overrides = small_run_overrides(out, text_corpus, cache_dir, "parallelism=zero3")
+    overrides = [o for o in overrides if not o.startswith("output_dir=")]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llm.rehearse",
+            *overrides,
+            "rehearse.world_size=16",
+            "rehearse.rank=9",
+            f"hydra.run.dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 9 of 16" in result.stdout and "reduce_scatter" in result.stdout
+    figures = json.loads((out / "rehearse.json").read_text())
+    assert figures["world_size"] == 16 and figures["layout"]["dp_size"] == 16
+    peak = figures["memory_peak"]
+    assert peak["total"] == sum(peak[k] for k in (*STATES, "activations", "other"))
+    assert figures["step_time_s"] > 0 and figures["comm_bytes_per_step"]["all_gather"] > 0
