@@ -39,7 +39,7 @@ def _rehearse(out: Path, corpus: Path, cache: Path, world: int, *extra: str, ran
     "extra, why",
     [
         (["parallelism=deepspeed"], "deepspeed.comm"),
-        (["layout=fsdp_dp2_pp2"], "point-to-point vote"),
+        (["layout=tp2_pp2"], "DTensors under tensor parallel"),
         (["checkpoint.resume=/tmp"], "starts from initial weights"),
     ],
 )
@@ -101,14 +101,17 @@ LAYOUTS = {
     "fsdp_tp2_x4": (4, ["parallelism=fsdp", "parallelism.tp_size=2"]),
     "hsdp_x4": (4, ["parallelism=fsdp", "parallelism.replicate=2"]),
     "ddp_ep4_x4": (4, ["layout=ddp_dp4_ep4", "model=moe-tiny"]),
+    "pp2_x2": (2, ["parallelism.pp_size=2"]),
+    "fsdp_pp2_x4": (4, ["layout=fsdp_dp2_pp2"]),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_rank_0_rehearsed_equals_the_real_run(tmp_path, text_corpus, cache_dir, name):
-    """The real N-rank gloo run and the rehearsal of its rank 0 (and of its last rank) at
-    the same layout and steps: the tracked step peak's model states and the strategy's
+    """The real N-rank gloo run and the rehearsal of its rank 0 (and of its last rank, under
+    pp a later stage, whose neighbours' shapes the rehearsal answers for) at the same layout
+    and steps: the tracked step peak's model states and the strategy's
     state bytes exactly, the peak's total within 2%, and the bytes of every collective
     exactly, except the MoE exchange's, which follow where this step's tokens routed."""
     world, extra = LAYOUTS[name]

@@ -25,12 +25,13 @@ def refusal(cfg: Config) -> str | None:
             "own deepspeed.comm, which torch's fake process group does not stand in for; "
             "rehearse zero1-3 (our ZeRO) for the same layout"
         )
-    if cfg.parallelism.pp_size > 1:
+    p = cfg.parallelism
+    if p.pp_size > 1 and p.tp_size > 1:
         return (
-            f"parallelism.pp_size={cfg.parallelism.pp_size} cannot be rehearsed: torch's "
-            "pipeline stages agree on their inputs' shapes by a point-to-point vote and object "
-            "sends between stages, which the fake group does not carry (a later stage would "
-            "read zeros and garbage); rehearse the layout with pp_size=1"
+            f"parallelism.pp_size={p.pp_size} with tp_size={p.tp_size} cannot be rehearsed: "
+            "the stages' shapes, which their neighbours send at the first step and a "
+            "rehearsal answers for them, are DTensors under tensor parallel, which the "
+            "rehearsal does not rebuild; rehearse pp or tp alone"
         )
     if cfg.checkpoint.resume not in ("auto", "none"):
         return (
