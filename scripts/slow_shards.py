@@ -57,6 +57,7 @@ SHARDS = {
         "tests/test_generate_layouts.py",
         "tests/test_fp8_strategies.py",
         "tests/test_gpu_pass_nccl.py",
+        "tests/test_rehearse.py",
     ],
     # Training runs: the README's commands, optimizers under strategies, recompute (with
     # op_sac under torch 2.11: about 2 min, and 2 more to install it the first time),

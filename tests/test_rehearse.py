@@ -138,6 +138,38 @@ def test_rank_0_rehearsed_equals_the_real_run(tmp_path, text_corpus, cache_dir, 
     assert last["model_state_bytes"][0] == real["model_state_bytes"][-1]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("world, strategy", [(16, "fsdp"), (64, "zero3")])
+def test_the_estimator_equals_a_rehearsed_gpt2_large_rank(
+    tmp_path, text_corpus, cache_dir, world, strategy
+):
+    """gpt2-large (774M, fp32) on 16 and 64 rehearsed ranks, sizes no real run here reaches:
+    the estimator's model states equal the rehearsed rank 0's exactly, and its total is
+    within 3% of the tracked step peak's. Three steps: the third is the first probe after
+    the optimizer made its state."""
+    extra = (
+        "model=gpt2-large",
+        f"parallelism={strategy}",
+        "train.micro_batch_size=1",
+        "data.seq_len=128",
+        "rehearse.steps=3",
+    )
+    summary = _rehearse(tmp_path, text_corpus, cache_dir, world, *extra)
+    unused = Path("unused")
+    cfg = compose_config(
+        [
+            *small_run_overrides(unused, unused, unused, *extra),
+            f"launcher.nproc_per_node={world}",
+            "estimate.device=cpu",
+        ]
+    )
+    est = estimate(cfg, model_args_for(cfg, vocab_size=257))
+    peak = summary["memory_peak"][0]
+    assert {k: est.device[k] for k in STATES} == summary["model_state_bytes"][0]
+    assert est.total == pytest.approx(peak["total"], rel=0.03)
+
+
+@pytest.mark.slow
 def test_the_command_prints_its_table_and_writes_its_json(tmp_path, text_corpus, cache_dir):
     out = tmp_path / "run"
     overrides = small_run_overrides(out, text_corpus, cache_dir, "parallelism=zero3")
