@@ -39,7 +39,7 @@ def _rehearse(out: Path, corpus: Path, cache: Path, world: int, *extra: str, ran
     "extra, why",
     [
         (["parallelism=deepspeed"], "deepspeed.comm"),
-        (["layout=tp2_pp2"], "DTensors under tensor parallel"),
+        (["layout=tp2_pp2", "parallelism.sequence_parallel=true"], "a tp rank's share"),
         (["checkpoint.resume=/tmp"], "starts from initial weights"),
     ],
 )
@@ -103,6 +103,7 @@ LAYOUTS = {
     "ddp_ep4_x4": (4, ["layout=ddp_dp4_ep4", "model=moe-tiny"]),
     "pp2_x2": (2, ["parallelism.pp_size=2"]),
     "fsdp_pp2_x4": (4, ["layout=fsdp_dp2_pp2"]),
+    "tp2_pp2_x4": (4, ["layout=tp2_pp2"]),
 }
 
 

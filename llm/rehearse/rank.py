@@ -26,12 +26,12 @@ def refusal(cfg: Config) -> str | None:
             "rehearse zero1-3 (our ZeRO) for the same layout"
         )
     p = cfg.parallelism
-    if p.pp_size > 1 and p.tp_size > 1:
+    if p.pp_size > 1 and p.sequence_parallel:
         return (
-            f"parallelism.pp_size={p.pp_size} with tp_size={p.tp_size} cannot be rehearsed: "
-            "the stages' shapes, which their neighbours send at the first step and a "
-            "rehearsal answers for them, are DTensors under tensor parallel, which the "
-            "rehearsal does not rebuild; rehearse pp or tp alone"
+            f"parallelism.pp_size={p.pp_size} with sequence_parallel=true cannot be "
+            "rehearsed: a rehearsed stage answers for its neighbours' shapes with the whole "
+            "sequence, and sequence parallel passes a tp rank's share of it between stages; "
+            "rehearse the layout with sequence_parallel=false"
         )
     if cfg.checkpoint.resume not in ("auto", "none"):
         return (

@@ -7,8 +7,9 @@ stage answers for its neighbours instead: the activation between two stages is t
 stream, (rows of a micro-batch, T, d) in the dtype of the stage's parameters, and the
 gradient it receives for its output has its output's shape. Receive buffers are zeroed
 before each receive, so a later stage computes on zeros, never on leftover memory (whose
-NaN would make the step skip and leave the optimizer's state unmade). Stages that exchange
-DTensors (tensor parallel) are refused before this is reached (llm.rehearse.rank)."""
+NaN would make the step skip and leave the optimizer's state unmade). Sequence parallel,
+whose stages pass a tp rank's share of the sequence, is refused before this is reached
+(llm.rehearse.rank)."""
 
 from __future__ import annotations
 
