@@ -41,7 +41,7 @@ from llm.models import (
 from llm.optim import build_scheduler
 from llm.parallel import ParallelDims, build_strategy
 from llm.parallel.binding import rank_device
-from llm.parallel.dist import RankEnv, gather_object, init_distributed
+from llm.parallel.dist import RankEnv, gather_object, init_distributed, rehearsing
 from llm.parallel.experts.install import expert_mesh
 from llm.parallel.experts.install import install as install_experts
 from llm.parallel.hangs import collective_timeout, trace_prefix
@@ -66,6 +66,7 @@ _DIGEST_EXCLUDES = (
     "checkpoint",
     "launcher",
     "generate",
+    "rehearse",
 )
 
 
@@ -167,9 +168,10 @@ def _main(
         env.world_size > 1 or cfg.parallelism.name != "single",
         cfg.launcher.timeout_min,
     )
-    if dist.is_initialized() and env.world_size > 1:
+    if dist.is_initialized() and env.world_size > 1 and not rehearsing():
         # Under torchrun/Slurm every rank ran Hydra and may have its own timestamped run
-        # directory: rank 0's is the run's, and its train.log every rank's.
+        # directory: rank 0's is the run's, and its train.log every rank's. A rehearsal
+        # (llm.rehearse) is one process: its directory is the run's.
         shared = [cfg.output_dir]
         dist.broadcast_object_list(shared, src=0)
         cfg = dataclasses.replace(cfg, output_dir=shared[0])

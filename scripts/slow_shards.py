@@ -64,6 +64,7 @@ SHARDS = {
         "tests/test_loop_collectives.py",
         "tests/test_data_per_node.py",
         "tests/test_collective_timeout.py",
+        "tests/test_rehearse.py",
     ],
     # Training runs: the README's commands, optimizers under strategies, recompute (with
     # op_sac under torch 2.11: about 2 min, and 2 more to install it the first time),

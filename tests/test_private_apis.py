@@ -74,6 +74,13 @@ def _by_name(key: str) -> None:
 
 
 # ---- checks that need an object or a behaviour ---------------------------------------------
+def _stage_meta_has_outputs():
+    """llm.parallel.pipeline.rehearsal reads a stage's output metadata from its _stage_meta."""
+    from torch.distributed.pipelining._utils import _StageMeta
+
+    assert "outputs" in inspect.signature(_StageMeta).parameters
+
+
 def _cdata_keys_a_storage():
     t = torch.zeros(4)
     key = t.untyped_storage()._cdata
@@ -240,6 +247,24 @@ GUARD = {
     "torch.UntypedStorage.resize_ =": Guard("llm/memory/live.py", _resize_is_patchable),
     "deepspeed.comm.comms_logger.enabled =": Guard("llm/parallel/deepspeed.py"),
     "torch.distributed.all_to_all_single =": Guard("benchmarks/moe_peer.py"),
+    # A rehearsal's pipeline stage answers for its neighbours' shapes (llm.rehearse).
+    "*._stage_meta.outputs": Guard("llm/parallel/pipeline/rehearsal.py", _stage_meta_has_outputs),
+    "torch.distributed.pipelining.PipelineStage._recv_meta": Guard(
+        "llm/parallel/pipeline/schedule.py",
+        _params("torch.distributed.pipelining.PipelineStage._recv_meta", ["self", "src_stage"]),
+    ),
+    **{
+        f"torch.distributed.pipelining._utils.{name}": Guard("llm/parallel/pipeline/rehearsal.py")
+        for name in (
+            "_StageBackwardMeta",
+            "_StageBackwardMeta(backward_metas=)",
+            "_StageForwardMeta",
+            "_StageForwardMeta(forward_metas=)",
+            "_TensorMeta",
+        )
+    },
+    # The fake process group of llm.rehearse (and of many tests' fake tp mesh).
+    "torch.testing._internal.distributed.fake_pg.FakeStore": Guard("llm/rehearse/rank.py"),
     # DeepSpeed's process groups: released between runs; the expert groups a benchmark reads.
     f"{DS_GROUPS}._release_process_group_references": Guard("llm/parallel/deepspeed.py"),
     f"{DS_GROUPS}._get_expert_parallel_group": Guard("benchmarks/moe_peer.py"),
@@ -399,15 +424,9 @@ def _bnb_adamw8bit_internals():
     assert quantised <= opt.non_castable_tensor_keys
 
 
-def _fake_store():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert callable(FakeStore)
-
-
 DCP = "torch.distributed.checkpoint"
 STAGE = "torch.distributed.pipelining.PipelineStage"
-# Internals whose names look public, and a private name only tests/ use: (where, check).
+# Internals whose names look public: (where, check).
 # The DeepSpeed attributes are checked on real engines by
 # test_deepspeed_optimizers_hold_what_we_read.
 INTERNALS = {
@@ -449,8 +468,6 @@ INTERNALS = {
         "llm/optim/adamw8bit.py llm/parallel/zero/state.py",
         _bnb_adamw8bit_internals,
     ),
-    # The fake tp mesh of many tests (tests/ is not scanned).
-    "torch.testing._internal.distributed.fake_pg.FakeStore": ("tests/conftest.py", _fake_store),
 }
 
 

@@ -25,6 +25,7 @@ from llm.config.parallelism import (
 )
 from llm.config.precision import LOSS_SCALER_PRESETS, PrecisionConfig
 from llm.config.recompute import RECOMPUTE_NAMES, RecomputeConfig
+from llm.config.rehearse import RehearseConfig
 from llm.config.root import GROUPS, Config
 from llm.config.scheduler import SchedulerConfig
 from llm.config.store import register_configs, to_dataclass
@@ -56,6 +57,7 @@ __all__ = [
     "ParallelismConfig",
     "PrecisionConfig",
     "RecomputeConfig",
+    "RehearseConfig",
     "SchedulerConfig",
     "TrainConfig",
     "first_unknown_part",

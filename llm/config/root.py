@@ -17,6 +17,7 @@ from llm.config.optimizer import OptimizerConfig
 from llm.config.parallelism import ParallelismConfig
 from llm.config.precision import PrecisionConfig
 from llm.config.recompute import RecomputeConfig
+from llm.config.rehearse import RehearseConfig
 from llm.config.scheduler import SchedulerConfig
 from llm.config.train import TrainConfig
 
@@ -38,6 +39,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)
     output_dir: str = "outputs/run"  # conf/config.yaml points it at Hydra's run directory
     sweep_name: str | None = None  # set by train.py under -m: the W&B group
 

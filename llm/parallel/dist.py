@@ -58,8 +58,18 @@ def is_multi_rank() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def rehearsing() -> bool:
+    """Whether this process rehearses one rank over torch's fake process group
+    (llm.rehearse): collectives return at once and carry no other rank's data."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def gather_object(value, group: dist.ProcessGroup | None = None) -> list:
-    """``value`` from every rank of ``group``, in rank order (just [value] alone)."""
+    """``value`` from every rank of ``group``, in rank order (just [value] alone). In a
+    rehearsal every rank is taken to hold this rank's value: the fake group's object
+    gathers carry nothing from other ranks."""
+    if rehearsing():
+        return [value] * dist.get_world_size(group)
     if not is_multi_rank():
         return [value]
     out = [None] * dist.get_world_size(group)

@@ -41,6 +41,7 @@ def run_summary(
         "tokens_seen": state.tokens_seen,
         "skipped_steps": state.skipped_steps,
         "tokens_per_sec": timed.median_tokens_per_sec(),
+        "step_time_s": timed.median_step_time_s(),
         **mfu,
         "data_wait_share": timed.median_data_wait_share(),
         **_timing_counts(state),

@@ -62,6 +62,10 @@ class TimedSteps:
         steady = self.steady()
         return statistics.median(s.tokens_per_sec for s in steady) if steady else None
 
+    def median_step_time_s(self) -> float | None:
+        steady = self.steady()
+        return statistics.median(s.timing.step_time_s for s in steady) if steady else None
+
     def median_data_wait_share(self) -> float | None:
         steady = self.steady()
         return statistics.median(s.timing.data_wait_share for s in steady) if steady else None

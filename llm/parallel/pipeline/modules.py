@@ -118,6 +118,11 @@ class Stage(nn.Module):
             self.norm = part.norm
             self.output = part.output
 
+    @property
+    def d_model(self) -> int:
+        """The width of the activations between stages."""
+        return self._part[0].args.d_model
+
     def forward(self, x: Tensor) -> Tensor:
         with self._part[0].context():
             if self.first:

@@ -34,8 +34,10 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from llm.config import PP_V_SHAPED
+from llm.parallel.dist import rehearsing
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline.modules import PipelinePart
+from llm.parallel.pipeline.rehearsal import neighbour_meta, zeroed
 from llm.parallel.pipeline.tied import TiedEmbeddings
 from llm.precision import LossScaler
 
@@ -59,12 +61,29 @@ _STAGE_TAKES_MESH = "get_mesh" in inspect.signature(PipelineStage).parameters
 
 class _SyncedStage(PipelineStage):
     """A stage whose every backward runs inside the strategy's ``grad_sync`` context; the
-    step's last is the last backward of the step's last loader batch."""
+    step's last is the last backward of the step's last loader batch. In a rehearsal
+    (llm.rehearse) it answers for its neighbours' shapes itself (``rehearsal``)."""
 
-    def __init__(self, *args, grad_sync: GradSync, last_batch: Callable[[], bool], **kwargs):
+    def __init__(
+        self,
+        *args,
+        grad_sync: GradSync,
+        last_batch: Callable[[], bool],
+        chunk: Callable[[], tuple[int, int]],
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self._grad_sync = grad_sync
         self._last_batch = last_batch
+        self._chunk = chunk
+        if rehearsing():
+            self.get_fwd_recv_ops = zeroed(self.get_fwd_recv_ops)
+            self.get_bwd_recv_ops = zeroed(self.get_bwd_recv_ops)
+
+    def _recv_meta(self, src_stage: int):
+        if rehearsing():
+            return neighbour_meta(self, src_stage, self._chunk())
+        return super()._recv_meta(src_stage)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         with self._grad_sync(last_backward and self._last_batch()):
@@ -95,6 +114,7 @@ class Pipeline:
         n_stages = part.layout.n_stages
         mesh = {"get_mesh": lambda names, _layout: dims.mesh[names]} if _STAGE_TAKES_MESH else {}
         self._last_batch = True  # the batch running now is the step's last
+        self._chunk = (0, 0)  # a micro-batch's (rows, length) in the batch running now
         self.stages = [
             _SyncedStage(
                 module,
@@ -105,6 +125,7 @@ class Pipeline:
                 **mesh,
                 grad_sync=grad_sync or (lambda _last: nullcontext()),
                 last_batch=lambda: self._last_batch,
+                chunk=lambda: self._chunk,
             )
             for module in part.stages()
         ]
@@ -171,6 +192,7 @@ class Pipeline:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (input_ids, targets, _) in enumerate(batches):
             self._last_batch = i == len(batches) - 1
+            self._chunk = (input_ids.size(0) // self.microbatches, input_ids.size(1))
             # Every rank reads the batch; the first stage takes the ids, the last the targets.
             args = (input_ids,) if self.has_first else ()
             self._losses = []
