@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from llm.attention import resolve_for
 from llm.build import model_args_for, resolve_device
 from llm.config import Config, TrainConfig
-from llm.data import build_train_loader, build_val_loader, save_tokenizer
+from llm.data import PreparedData, build_train_loader, build_val_loader, save_tokenizer
 from llm.data.per_node import prepare_across_ranks
 from llm.data.prefetch import Prefetcher
 from llm.errors import ConfigError, TrainingError
@@ -215,12 +215,7 @@ def _train(
     precision = precision_for(cfg, device)
     precision.apply_backend_flags()
     dims = _parallel_dims(cfg, env, device)
-    # Once per node, or once in all on a shared cache (a no-op when our launcher prepared).
-    prepared = prepare_across_ranks(
-        cfg.data, env.rank, env.local_rank, env.world_size, cfg.launcher.timeout_min
-    )
-    if env.rank == 0:
-        save_tokenizer(prepared.tokenizer, Path(cfg.output_dir))  # llm.generate decodes with it
+    prepared = _prepared_data(cfg, env)
     tracker.begin("startup")  # model build, wrap and optimizer: one phase of the peak tracker
     model, weights, attention = _model_on_meta(cfg, prepared.tokenizer, device, precision)
     args = model.args
@@ -235,8 +230,7 @@ def _train(
     scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps)
     train_loader, val_loader = _loaders(prepared, cfg, dims, device)
     logger = _logger(cfg, env)
-    _log_choices(logger, cfg, device, precision, attention)
-    _log_offload(logger, strategy)
+    _log_choices(logger, cfg, device, precision, attention, strategy)
     checkpointer = _checkpointer(cfg, env, args, prepared.tokenizer)
     trainer = Trainer(
         cfg=cfg,
@@ -259,14 +253,34 @@ def _train(
             trainer.resume(path)
         summary = trainer.fit()
         summary.update(_run_facts(cfg, env, device, summary, args, dims, precision))
-        summary["attention"] = attention.summary()
-        if (offload := strategy.offload_facts()) is not None:
-            summary["offload"] = gather_object(offload)  # every rank's files and bytes
+        summary.update(_choice_facts(attention, strategy))
         logger.summary(summary)
         return summary
     finally:
         strategy.close()
         logger.close()
+
+
+def _prepared_data(cfg: Config, env: RankEnv) -> PreparedData:
+    """The corpus and tokenizer, prepared once per node or once in all on a shared cache (a
+    no-op when our launcher prepared). A rehearsal is one process: it prepares alone (the
+    fake group carries no other rank)."""
+    preparers = 1 if rehearsing() else env.world_size
+    prepared = prepare_across_ranks(
+        cfg.data, env.rank, env.local_rank, preparers, cfg.launcher.timeout_min
+    )
+    if env.rank == 0:
+        save_tokenizer(prepared.tokenizer, Path(cfg.output_dir))  # llm.generate decodes with it
+    return prepared
+
+
+def _choice_facts(attention, strategy) -> dict:
+    """summary.json's record of the attention backend taken and, for the nvme tier, every
+    rank's files and bytes (one gather, at the end)."""
+    facts = {"attention": attention.summary()}
+    if (offload := strategy.offload_facts()) is not None:
+        facts["offload"] = gather_object(offload)
+    return facts
 
 
 def _seed(train: TrainConfig) -> None:
@@ -369,8 +383,9 @@ def _logger(cfg: Config, env: RankEnv) -> RunLogger | NullLogger:
     )
 
 
-def _log_choices(logger, cfg: Config, device: torch.device, precision, attention) -> None:
-    """The lines that say what the run picked or could not do on this device."""
+def _log_choices(logger, cfg: Config, device: torch.device, precision, attention, strategy):
+    """The lines that say what the run picked or could not do on this device, and where the
+    nvme tier keeps its files."""
     if attention.requested == "auto":
         logger.info(attention.why)
     if cfg.train.compile and cfg.train.compile_mode == "reduce-overhead" and device.type != "cuda":
@@ -383,6 +398,7 @@ def _log_choices(logger, cfg: Config, device: torch.device, precision, attention
             f"fp8: the {precision.fp8_recipe} recipe runs emulated (fp8 quantised and "
             "dequantised, matmuls in fp32): its rounding and what backward keeps, not its speed"
         )
+    _log_offload(logger, strategy)
 
 
 def _log_offload(logger, strategy) -> None:
