@@ -151,11 +151,12 @@ def test_estimate_equals_the_measured_states_on_every_ep_rank(
 def test_the_plan_tries_expert_parallel_sizes_for_moe_shapes():
     """estimate.plan=true: a MoE shape gets rows at every ep dividing the devices and the
     experts, each with the keys estimate.json lists, the all-to-all bytes of even routing,
-    fewer bytes per GPU for the whole expert slices as ep grows (stage 0), the same at stage
-    3, which shards them over edp; a dense shape gets ep 1."""
+    fewer bytes per GPU for the whole expert slices as ep grows (stage 0), the same at stages
+    1-3, which shard them over edp; a dense shape gets ep 1."""
     from helpers import compose_config
 
     from llm.build import model_args_for
+    from llm.estimate.layout import expert_params
     from llm.estimate.plan import plan, plan_row
 
     base = ["logger=none", "output_dir=unused", "estimate.gpus_per_node=4", "data.seq_len=256"]
@@ -177,15 +178,21 @@ def test_the_plan_tries_expert_parallel_sizes_for_moe_shapes():
         if (r["zero_stage"], r["recompute"], r["micro_batch"]) == (0, "none", 4)
     }
     assert same[4] < same[2] < same[1]
-    # At stage 3 (fsdp) each slice is sharded over its edp ranks: 1/(ep x edp) = 1/dp of
-    # the experts at every ep, as stage 3 at ep 1 holds them (to the byte counts' rounding).
-    sharded = {
-        r["ep"]: r["bytes_per_gpu"]
-        for r in rows
-        if (r["zero_stage"], r["recompute"], r["micro_batch"]) == (3, "none", 4)
-    }
-    assert sharded[4] == pytest.approx(sharded[1], abs=8)
-    assert sharded[2] == pytest.approx(sharded[1], abs=8)
+    # At stages 1-3 (our zero1-3, fsdp) each slice's sharded states are cut over its edp
+    # ranks: 1/(ep x edp) = 1/dp of the experts at every ep, as the same stage at ep 1
+    # holds them. What the stage keeps whole, the slice keeps whole: a rank saves those
+    # bytes of the experts not its own (bf16 params, and at stage 1 grads; to the byte
+    # counts' rounding). Whole slices would save their sharded states' bytes too.
+    experts = expert_params(args)
+    for stage, whole_bytes in ((1, 4), (2, 2), (3, 0)):
+        sharded = {
+            r["ep"]: r["bytes_per_gpu"]
+            for r in rows
+            if (r["zero_stage"], r["recompute"], r["micro_batch"]) == (stage, "none", 4)
+        }
+        for ep in (2, 4):
+            saved = whole_bytes * experts * (ep - 1) // ep
+            assert sharded[1] - sharded[ep] == pytest.approx(saved, abs=8), (stage, ep)
     dense = compose_config([*base, "model=llama-tiny"])
     assert {r.layout.ep for r in plan(dense, model_args_for(dense, vocab_size=4096))} == {1}
 
@@ -204,22 +211,31 @@ def test_a_capacity_drops_the_same_tokens_as_one_process_under_ep(
 
 
 @pytest.mark.slow
-def test_fsdp_shards_the_expert_slices_over_edp(tmp_path, text_corpus, cache_dir, reference):
-    """fsdp at ep 2 on 4 ranks (edp 2): each rank holds 1/edp of its expert slice (params,
-    grads and AdamW's moments), so its model states are those of ep 1, where FSDP shards
-    every expert over all 4 ranks; measured equals the estimate on every rank. Saved after
-    step 1, one process resumes it whole, exactly."""
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "zero2", "zero3"])
+def test_the_expert_slices_are_sharded_over_edp(
+    tmp_path, text_corpus, cache_dir, reference, strategy
+):
+    """ep 2 on 4 ranks (edp 2) equals one process. Each rank holds 1/edp of its expert slice
+    (params, grads and AdamW's moments): measured equals the estimate on every rank; under
+    fsdp the model states are those of ep 1, where FSDP shards every expert over all 4
+    ranks; under our ZeRO the ranks' AdamW moments add up to the model's once (a slice
+    whole on each edp rank would count the experts twice). One process resumes the step-1
+    checkpoint exactly; under zero3 so does ep 2 on 2 ranks (edp 1)."""
     from helpers import compose_config, small_run_overrides
 
     from llm.build import model_args_for
     from llm.estimate.estimator import estimate
 
+    ref = reference("moe-tiny")
     summary, out = _ep_run(
-        tmp_path, text_corpus, cache_dir, "fsdp_edp2", 4, 2, "train.stop_at_step=1",
-        "checkpoint.every=1", strategy="fsdp",
+        tmp_path, text_corpus, cache_dir, "edp2", 4, 2, "checkpoint.every=1",
+        "checkpoint.keep_last=3", strategy=strategy,
     )  # fmt: skip
-    overrides = ("model=moe-tiny", "parallelism=fsdp", "launcher.nproc_per_node=4",
-                 "train.micro_batch_size=2")  # fmt: skip
+    assert_run_matches(ref, out, STEPS)
+    overrides = (
+        "model=moe-tiny", f"parallelism={strategy}", "launcher.nproc_per_node=4",
+        "train.micro_batch_size=2",
+    )  # fmt: skip
     base = [*small_run_overrides(tmp_path / "est", text_corpus, cache_dir, *overrides)]
     cfg = compose_config([*base, "parallelism.ep_size=2", "estimate.device=cpu"])
     ep1 = compose_config([*base, "parallelism.ep_size=1", "estimate.device=cpu"])
@@ -227,11 +243,22 @@ def test_fsdp_shards_the_expert_slices_over_edp(tmp_path, text_corpus, cache_dir
     for rank, measured in enumerate(summary["model_state_bytes"]):
         cfg.estimate.rank = ep1.estimate.rank = rank
         assert {k: estimate(cfg, args).device[k] for k in measured} == measured, f"rank {rank}"
-        assert {k: estimate(ep1, args).device[k] for k in measured} == measured, f"rank {rank}"
-    ref = reference("moe-tiny")
+        if strategy == "fsdp":
+            assert {k: estimate(ep1, args).device[k] for k in measured} == measured, f"rank {rank}"
+    if strategy != "fsdp":
+        # fp32 AdamW: the master is the shard itself, so a rank's optimizer states are its
+        # pieces' two moments (8 bytes an element) and one 4-byte step count per piece.
+        moments = sum(s["optimizer_states"] for s in summary["model_state_bytes"])
+        assert 0 <= moments - 8 * summary["n_params"] < 4096
+    step1 = out / "checkpoints" / "step_000001"
     _, single = run(
         tmp_path, "single", text_corpus, cache_dir, "model=moe-tiny", *MOE,
-        "train.micro_batch_size=8", f"train.max_steps={STEPS}",
-        f"checkpoint.resume={out / 'checkpoints' / 'step_000001'}",
+        "train.micro_batch_size=8", f"train.max_steps={STEPS}", f"checkpoint.resume={step1}",
     )  # fmt: skip
     assert_run_matches(ref, single, STEPS, first_step=2)
+    if strategy == "zero3":
+        _, edp1 = _ep_run(
+            tmp_path, text_corpus, cache_dir, "edp1", 2, 2, f"checkpoint.resume={step1}",
+            strategy=strategy,
+        )  # fmt: skip
+        assert_run_matches(ref, edp1, STEPS, first_step=2)

@@ -178,15 +178,15 @@ def estimate_layout(w: Workload, layout: Layout, cluster: Cluster) -> LayoutEsti
     for name, r in stages.items():
         n = rank_params(w.args, layout, r)
         params = max(params, n)
-        # Expert slices beside the dp sharding: at stage 3 sharded again over their edp
-        # ranks (parallelism=fsdp with ep_size, FSDP2 on the edp mesh), else whole on each
-        # edp rank (ddp, and our zero1-3, which do not shard them yet).
+        # Expert slices beside the dp sharding: sharded again over their edp ranks at the
+        # layout's stage (our zero1-3's second set of buckets; fsdp's FSDP2 on the edp
+        # mesh), whole on each edp rank at stage 0 (ddp).
         experts = expert_params(w.args) // layout.ep if layout.ep > 1 else 0
         states = paper_states(n - experts, layout.dp, layout.zero_stage, w.policy, w.optimizer)
         states = states.device
         if experts:
-            edp, stage = (layout.dp // layout.ep, 3) if layout.zero_stage == 3 else (1, 0)
-            held = paper_states(experts, edp, stage, w.policy, w.optimizer).device
+            edp = layout.dp // layout.ep
+            held = paper_states(experts, edp, layout.zero_stage, w.policy, w.optimizer).device
             states = {k: v + held[k] for k, v in states.items()}
         by_stage[name] = {**states, "activations": _activations(w, layout, r)}
         compute = _compute_s(w, layout, r, cluster)

@@ -104,8 +104,10 @@ def model_states(
         return paper_states(n, world, par.zero_stage, policy, opt, *offload)
     if experts:  # each rank's E / ep experts beside the strategy's states
         local = {x: torch.Size((x.shape[0] // par.ep_size, *x.shape[1:])) for x in experts}
-        edp = dp // par.ep_size
-        if par.name == "fsdp" and edp > 1:  # each slice sharded again over its edp ranks
+        edp, edp_rank = dp // par.ep_size, dp_rank // par.ep_size
+        if par.name in ("zero1", "zero2", "zero3"):  # a second set of buckets, cut over edp
+            extra = _zero_experts(model, experts, local, par, policy, opt, kinds, edp, edp_rank)
+        elif par.name == "fsdp" and edp > 1:  # each slice sharded again over its edp ranks
             extra = _fsdp(
                 experts,
                 local,
@@ -113,7 +115,7 @@ def model_states(
                 opt,
                 kinds,
                 edp,
-                dp_rank // par.ep_size,
+                edp_rank,
                 par.offload_params == "cpu",
             )
         else:  # whole on each rank of the edp group
@@ -127,8 +129,8 @@ def model_states(
 
 def _expert_slices(model: nn.Module) -> list[nn.Parameter]:
     """The MoE experts' stacked weights: under expert parallelism each rank holds its slice,
-    apart from the strategy's dense sharding (llm/parallel/experts/): whole, or under fsdp
-    sharded again over the edp ranks."""
+    apart from the strategy's dense sharding (llm/parallel/experts/): whole (ddp), or under
+    fsdp and our zero1-3 sharded again over the edp ranks."""
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
 
 
@@ -186,17 +188,48 @@ def _zero(
     (stage 1 also the persistent working-dtype bucket), the master when it is a separate
     copy, and the optimizer's state of each piece of the rank's slice."""
     stage = int(par.name[-1])
-    w, m = policy.working_dtype.itemsize, policy.master_dtype.itemsize
+    w = policy.working_dtype.itemsize
     alone = model.tied_half() if isinstance(model, PipelinePart) else None
     align = OPTIMIZERS[opt.name].quant_block or 1  # 8-bit AdamW: blocks never straddle a cut
     buckets = model_buckets(
         model, stage, par.bucket_cap_mb, w, world, shapes.__getitem__, alone, align, skip
     )
-    offload, nvme = par.offload_optimizer, "nvme" in (par.offload_optimizer, par.offload_params)
+    return _zero_buckets(buckets, par, policy, opt, kinds, rank)
+
+
+def _zero_experts(
+    model, experts, local, par: ParallelismConfig, policy, opt, kinds, edp: int, edp_rank: int
+) -> RankStates:
+    """Our ZeRO's expert slices (llm/parallel/zero/strategy.py): their own buckets of the
+    rank's ``local`` slice shapes, cut over the ``edp`` ranks that hold the same experts."""
+    buckets = model_buckets(
+        model,
+        int(par.name[-1]),
+        par.bucket_cap_mb,
+        policy.working_dtype.itemsize,
+        edp,
+        local.__getitem__,
+        align=OPTIMIZERS[opt.name].quant_block or 1,
+        only=frozenset(experts),
+    )
+    return _zero_buckets(buckets, par, policy, opt, kinds, edp_rank, experts=True)
+
+
+def _zero_buckets(
+    buckets, par: ParallelismConfig, policy, opt, kinds, rank: int, experts: bool = False
+) -> RankStates:
+    """:func:`_zero`'s count over one set of buckets, as rank ``rank`` of the group they
+    are cut over. ``experts``: the expert slices' set (strategy.py keeps it on the device,
+    whatever the offload of the dense set)."""
+    stage = int(par.name[-1])
+    w, m = policy.working_dtype.itemsize, policy.master_dtype.itemsize
+    offload = "none" if experts else par.offload_optimizer
+    params_at = "none" if experts else par.offload_params
+    nvme = "nvme" in (offload, params_at)
     separate = policy.master_dtype != policy.working_dtype or offload != "none" or nvme
     out = RankStates()
     opt_where = {"none": out.device, "cpu": out.host, "nvme": out.disk}[offload]
-    shard_where = {"none": out.device, "cpu": out.host, "nvme": out.disk}[par.offload_params]
+    shard_where = {"none": out.device, "cpu": out.host, "nvme": out.disk}[params_at]
     shapes = []
     for b in buckets:
         if stage == 3:
@@ -216,7 +249,7 @@ def _zero(
     opt_where["optimizer_states"] += _opt_bytes(opt, shapes)
     if offload == "nvme":
         out.host["optimizer_states"] += _optimizer_pool(buckets, m, opt)
-    if stage == 3 and par.offload_params == "nvme":
+    if stage == 3 and params_at == "nvme":
         out.host["params"] += _param_pool(buckets, w)
     return out
 

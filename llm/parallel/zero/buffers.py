@@ -54,6 +54,7 @@ class BucketBuffers:
         shard_device: torch.device | None = None,
     ) -> None:
         self.bucket = bucket
+        self.rank = rank  # in the group the bucket is cut over (dp, or edp for expert slices)
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         lo, hi = bucket.shard_range(rank)

@@ -141,6 +141,7 @@ def model_buckets(
     alone: nn.Parameter | None = None,
     align: int = 1,
     skip: frozenset = frozenset(),
+    only: frozenset | None = None,
 ) -> list[Bucket]:
     """The buckets of ``model`` (meta or materialised) under ZeRO ``stage`` on ``world``
     data-parallel ranks: the strategy builds its buffers from them and llm.estimate sizes
@@ -148,7 +149,8 @@ def model_buckets(
     estimate is this layout. Stage 3's gather units are the blocks in order, then the root
     (everything outside ``model.layers``); stages 1-2 keep model order in one unit.
     ``alone``, ``align``: build_buckets'. ``skip``: parameters no bucket holds (expert
-    slices, which differ between ranks: llm/parallel/experts/)."""
+    slices, which differ between ranks: llm/parallel/experts/). ``only``: bucket these
+    parameters alone (the expert slices, cut over their edp ranks as a second set)."""
     blocks = model_blocks(model)
     root = len(blocks) if stage == 3 else 0
     unit_of = {}
@@ -158,7 +160,11 @@ def model_buckets(
                 unit_of[p] = i
     # Frozen parameters are bucketed too (apart from trainable ones): stage 3 shards them,
     # and every stage keeps them in the working dtype.
-    named = [(n, p, unit_of.get(p, root)) for n, p in model.named_parameters() if p not in skip]
+    named = [
+        (n, p, unit_of.get(p, root))
+        for n, p in model.named_parameters()
+        if (p in only if only is not None else p not in skip)
+    ]
     if stage == 3:
         named.sort(key=lambda item: item[2])  # blocks in order, then the root
     bucket_numel = max(1, int(bucket_cap_mb * 2**20 / working_itemsize))

@@ -16,6 +16,11 @@ ranks of its pipeline stage (the world without one) cover it once; a tp-replicat
 (norms, row-parallel biases) is covered by the dp group's pieces, and DCP writes the chunks
 the tp peers share once.
 
+Under expert parallel a rank's expert slice is a bucket set of its own cut over the edp
+group (strategy.py); its pieces are placed at the slice's rows in the whole tensor (the
+ep rank's first expert), so the keys and shapes are one process's and DCP reshards them to
+another ep or edp size as it does any FlatShard.
+
 After a load the 16-bit working shard is refreshed from the master, and under stages 1-2 the
 working buffers are all-gathered (the working parameters, 2Φ, as after every step).
 """
@@ -29,7 +34,6 @@ from torch.distributed.tensor import DTensor
 from llm.comm.collectives import all_gather
 from llm.models import local_region, param_name
 from llm.optim import materialize_state
-from llm.parallel.experts.checkpoint import as_dtensor, optimizer_entry
 from llm.parallel.flat_shards import FlatShard, flat_shard
 from llm.parallel.tensor_parallel import tp_copies
 
@@ -39,7 +43,7 @@ def ensure_optimizer_state(strategy) -> None:
     (the zero-lr step's temporaries stay within one bucket)."""
     optimizer = strategy.optimizer
     group_of = {id(t): i for i, g in enumerate(optimizer.param_groups) for t in g["params"]}
-    for buf in strategy.buffers:
+    for buf in strategy.buffers + strategy.expert_buffers:
         missing = [(t, group_of[id(t)]) for t in buf.piece_tensors if t not in optimizer.state]
         if missing:
             materialize_state(optimizer, missing)
@@ -110,12 +114,15 @@ def _scalar(value):
     return torch.tensor(value) if isinstance(value, float) else value
 
 
-def _placed(strategy, slot) -> tuple[list[int], list[int]] | None:
-    """Where ``slot``'s bucketed block sits in its parameter (None: it is the whole)."""
-    param = slot.param
+def _placed(strategy, slot) -> tuple[tuple, tuple[list[int], list[int]] | None]:
+    """The whole parameter's shape, and where ``slot``'s bucketed block sits in it (None:
+    it is the whole): tensor parallel's local block, or an expert slice's rows."""
+    param, experts = slot.param, strategy.expert_shards
+    if experts and experts.holds(param):
+        return experts.whole_shape(param), experts.region(param)
     if not isinstance(param, DTensor) or tp_copies(param, strategy.dims.tp_size) > 1:
-        return None
-    return local_region(param)
+        return param.shape, None
+    return param.shape, local_region(param)
 
 
 def checkpoint_state(strategy) -> dict:
@@ -124,7 +131,7 @@ def checkpoint_state(strategy) -> dict:
     group_names, keys = _agreed_layout(strategy)
     optimizer = strategy.optimizer
     model_sd, optim_state = {}, {}
-    for buf in strategy.buffers:
+    for buf in strategy.buffers + strategy.expert_buffers:
         if not buf.bucket.trainable:
             model_sd.update(_frozen_state(strategy, buf))
             continue
@@ -133,8 +140,7 @@ def checkpoint_state(strategy) -> dict:
             piece, tensor = owned.get(slot.name, (None, None))
             start = piece.param_range[0] if piece else 0
             state = optimizer.state[tensor] if piece else {}
-            shape = slot.param.shape
-            block = _placed(strategy, slot)
+            shape, block = _placed(strategy, slot)
             model_sd[slot.name] = flat_shard(shape, start, tensor, block)
             kinds = keys.get(slot.name, _no_keys())
             qb = strategy.quant_block
@@ -146,8 +152,6 @@ def checkpoint_state(strategy) -> dict:
                 | {k: state[k] for k in kinds["whole"] if piece}
                 | {k: _scalar(v) for k, v in kinds["scalars"].items()},
             )
-    if strategy.expert_shards:
-        _expert_state(strategy, model_sd, optim_state, group_names)
     for name, value in strategy.model.state_dict(keep_vars=True).items():
         name = param_name(name)
         if name not in model_sd:  # buffers, and a tied weight's second name
@@ -162,22 +166,6 @@ def checkpoint_state(strategy) -> dict:
         "optimizer": {"state": optim_state, "param_groups": groups},
         "loss_scaler": strategy.scaler.state_dict(),
     }
-
-
-def _expert_state(strategy, model_sd: dict, optim_state: dict, group_names: list) -> None:
-    """Expert slices, outside the buckets: each whole on its rank, saved as a DTensor on the
-    (edp, ep) mesh with its moments (llm/parallel/experts/checkpoint.py), so DCP reshards them
-    to any ep size or one process. Their optimizer state is made first, like the pieces'."""
-    experts, optimizer = strategy.expert_shards, strategy.optimizer
-    group_of = {id(t): i for i, g in enumerate(optimizer.param_groups) for t in g["params"]}
-    params = experts.params
-    missing = [(p, group_of[id(p)]) for p in params.values() if p not in optimizer.state]
-    if missing:
-        materialize_state(optimizer, missing)
-    for name, param in params.items():
-        model_sd[name] = as_dtensor(experts, param.detach())
-        optim_state[name] = optimizer_entry(experts, optimizer.state[param], param)
-        group_names[group_of[id(param)]].append(name)
 
 
 def _nested_as_bitsandbytes(optimizer, entries: dict) -> dict:
@@ -195,14 +183,15 @@ def _nested_as_bitsandbytes(optimizer, entries: dict) -> dict:
 def _frozen_state(strategy, buf) -> dict:
     """A frozen bucket's parameters: this rank's slice of the working shard (their only
     copy; no optimizer state), so other strategies and world sizes load them too."""
-    lo = buf.bucket.shard_range(strategy.rank)[0]
-    owned = {p.slot.name: p for p in buf.bucket.pieces(strategy.rank)}
+    lo = buf.bucket.shard_range(buf.rank)[0]
+    owned = {p.slot.name: p for p in buf.bucket.pieces(buf.rank)}
     out = {}
     for slot in buf.bucket.slots:
         piece = owned.get(slot.name)
         local = buf.shard[piece.start - lo : piece.stop - lo] if piece else None
         start = piece.param_range[0] if piece else 0
-        out[slot.name] = flat_shard(slot.param.shape, start, local, _placed(strategy, slot))
+        shape, block = _placed(strategy, slot)
+        out[slot.name] = flat_shard(shape, start, local, block)
     return out
 
 
@@ -220,11 +209,11 @@ def restore_state(strategy, loaded: dict) -> None:
             state[k] = held.fill_(v) if torch.is_tensor(held) else _plain(v)
     for g, saved in zip(optimizer.param_groups, loaded["optimizer"]["param_groups"], strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})
-    for buf in strategy.buffers:
+    for buf in strategy.buffers + strategy.expert_buffers:
         if buf.master is not buf.shard:
             buf.shard.copy_(buf.master)
         if strategy.stage < 3:  # stage 3 gathers from the shard in the next forward
-            all_gather(buf.full, buf.shard, group=strategy.group)
+            all_gather(buf.full, buf.shard, group=strategy.group_of(buf))
     strategy.scaler.load_state_dict(loaded["loss_scaler"])
 
 

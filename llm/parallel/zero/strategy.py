@@ -31,6 +31,13 @@ lives only in the partitioned optimizer: 2Φ + 2Φ + 12Φ/N bytes per rank at st
 paper counts, plus the fp32 gradient shard (4Φ/N) and the buckets in flight. Layout:
 layout.py; per-bucket tensors: buffers.py; checkpoints: state.py.
 
+Under expert parallel (``parallelism.ep_size > 1``) each rank's expert slices are a second
+set of buckets, laid out and stepped as the dense ones but cut over the edp group (the dp
+ranks holding the same experts), as DeepSpeed-MoE shards them: their gradients divided by
+the dp size and reduce-scattered over edp, their master and moments 1/edp of the slice,
+gathered over edp after the step (stage 3: where their block runs, by a second gatherer).
+Each set's collectives keep a fixed order on their own group (docs/parallel.md).
+
 Offload (``parallelism.offload_optimizer``): cpu keeps the masters and moments in host
 memory and steps them there; nvme keeps them in files and streams them through host memory
 a bucket at a time (nvme/optimizer_swap.py). Under stage 3 ``offload_params=nvme`` keeps the
@@ -41,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -89,8 +95,9 @@ class ZeroStrategy(StrategyBase):
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         self.buffers: list[BucketBuffers] = []
-        self.gatherer: UnitGatherer | None = None
-        self.reducer: GradientReducer | None = None
+        self.expert_buffers: list[BucketBuffers] = []  # cut over edp (expert parallel)
+        self.gatherers: list[UnitGatherer] = []  # stage 3: the dense set's, the experts'
+        self.reducers: list[GradientReducer] = []  # the dense set's, the experts'
         self._sync = True
         self.piece_params: list = []  # (Piece, the tensor the optimizer steps), in order
         self.stage_group: dist.ProcessGroup | None = None
@@ -115,37 +122,98 @@ class ZeroStrategy(StrategyBase):
         self.buffers = self._build_buffers(model, source, part and part.tied_half())
         # The ranks a tp-split parameter's checkpoint pieces span (built by every rank at once).
         self.stage_group = self.dims.stage_group if self.dims.tp_size > 1 else None
+        if self.expert_shards:
+            self.expert_buffers = self._build_expert_buffers(model)
         if weights is not None:  # anything no bucket holds (none in our models) comes whole
             materialize_from(model, weights, self.device)
-        self._buffers_of = {slot.param: buf for buf in self.buffers for slot in buf.bucket.slots}
-        self._slot_of = {slot.param: slot for buf in self.buffers for slot in buf.bucket.slots}
-        trainable = [buf for buf in self.buffers if buf.bucket.trainable]
-        for buf in trainable:
-            for slot in buf.bucket.slots:
-                slot.param.register_post_accumulate_grad_hook(self._on_grad)
-        # The order gradients arrive in: blocks from last to first, then the root (stage 3);
-        # stages 1-2 bucket in model order, so last bucket first.
-        order = sorted(trainable, key=lambda b: (b.bucket.unit == root, -b.bucket.index))
-        self.reducer = GradientReducer(
-            order,
-            self.stage,
-            self._grad_group(),
-            self.world,
-            self.cfg.buckets_in_flight,
-            self._count,
-        )
+        every = self.buffers + self.expert_buffers
+        self._buffers_of = {slot.param: buf for buf in every for slot in buf.bucket.slots}
+        self._slot_of = {slot.param: slot for buf in every for slot in buf.bucket.slots}
+        # Gradients reduced by the dp size (as every gradient is averaged) over each set's group.
+        self.reducers = [self._reducer(self.buffers, root, self._grad_group())]
+        if self.expert_buffers:
+            self.reducers.append(
+                self._reducer(self.expert_buffers, root, self._expert_grad_group())
+            )
+        self._reducer_of = {
+            slot.param: reducer
+            for reducer in self.reducers
+            for buf in reducer.order
+            for slot in buf.bucket.slots
+        }
+        for param in self._reducer_of:
+            param.register_post_accumulate_grad_hook(self._on_grad)
         if self.stage == 3:
-            units = [[b for b in self.buffers if b.bucket.unit == u] for u in range(root + 1)]
+            units = self._units(self.buffers, root)
             if self.param_swap is not None:
                 self.param_swap.set_units(units)
-            self.gatherer = UnitGatherer(
-                units, blocks, self.group, self.cfg.prefetch, self._count, self.param_swap
-            )
-            # A pipeline runs the part's stage, never the part itself.
-            self.gatherer.install(model if part is None else part.stages()[0])
+            self.gatherers = [
+                UnitGatherer(
+                    units, blocks, self.group, self.cfg.prefetch, self._count, self.param_swap
+                )
+            ]
+            if self.expert_buffers:
+                edp = self.expert_shards.edp_group
+                expert_units = self._units(self.expert_buffers, root)
+                self.gatherers.append(
+                    UnitGatherer(expert_units, blocks, edp, self.cfg.prefetch, self._count)
+                )
+            for gatherer in self.gatherers:  # a pipeline runs the part's stage, not the part
+                gatherer.install(model if part is None else part.stages()[0])
         self.model = model
         self._attach_pipeline(model, grad_sync=self._stage_backward)
         return model
+
+    def _reducer(self, buffers: list[BucketBuffers], root: int, group) -> GradientReducer:
+        """A set's trainable buckets, launched in the order gradients arrive: blocks from
+        last to first, then the root (stage 3); stages 1-2 bucket in model order, so last
+        bucket first."""
+        trainable = [buf for buf in buffers if buf.bucket.trainable]
+        order = sorted(trainable, key=lambda b: (b.bucket.unit == root, -b.bucket.index))
+        limit = self.cfg.buckets_in_flight
+        return GradientReducer(order, self.stage, group, self.world, limit, self._count)
+
+    @staticmethod
+    def _units(buffers: list[BucketBuffers], root: int) -> list[list[BucketBuffers]]:
+        return [[b for b in buffers if b.bucket.unit == u] for u in range(root + 1)]
+
+    def _build_expert_buffers(self, model: nn.Module) -> list[BucketBuffers]:
+        """The expert slices as a second set of buckets, cut over their edp ranks: this
+        rank's shard of its slices. The slices are materialised by expert parallel's install
+        whatever the rest of the model is, so they are read from the model itself."""
+        experts = self.expert_shards
+        experts.sharded = True
+        policy = self.precision
+        buckets = model_buckets(
+            model,
+            self.stage,
+            self.cfg.bucket_cap_mb,
+            policy.working_dtype.itemsize,
+            experts.edp,
+            align=self.quant_block,
+            only=frozenset(experts.params.values()),
+        )
+        source = ModuleSource(model)
+        return [
+            BucketBuffers(
+                bucket,
+                experts.edp_rank,
+                self.stage,
+                policy.working_dtype,
+                policy.master_dtype,
+                self.device,
+                self.device,
+                policy.reduce_dtype,
+                source,
+            )
+            for bucket in buckets
+        ]
+
+    def group_of(self, buf: BucketBuffers) -> dist.ProcessGroup | None:
+        """The group ``buf`` is cut over: the edp group for an expert slice's bucket, else dp."""
+        if self.expert_shards and self.expert_shards.holds(buf.bucket.slots[0].param):
+            return self.expert_shards.edp_group
+        return self.group
 
     def _build_buffers(
         self, model: nn.Module, source: WeightSource, tied: nn.Parameter | None
@@ -210,6 +278,17 @@ class ZeroStrategy(StrategyBase):
             return self.group
         return self.dims.new_dp_group()
 
+    def _expert_grad_group(self) -> dist.ProcessGroup | None:
+        """The experts' gradient collectives: the edp group, and at stage 3 a second one over
+        the same ranks, apart from the experts' gathers (as ``_grad_group``). Expert parallel
+        runs without tensor and pipeline parallel, so dp ranks are global ranks."""
+        experts = self.expert_shards
+        if self.stage < 3:
+            return experts.edp_group
+        ranks = [[g + k * experts.ep for k in range(experts.edp)] for g in range(experts.ep)]
+        group, _ = dist.new_subgroups_by_enumeration(ranks)
+        return group
+
     def build_optimizer(self, model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         refuse_optimizer(self.name, cfg.name, tp_size=self.dims.tp_size)
         block = OPTIMIZERS[cfg.name].quant_block if cfg.name in OPTIMIZERS else 0
@@ -224,12 +303,10 @@ class ZeroStrategy(StrategyBase):
         group_of = {p: i for i, g in enumerate(factory_groups) for p in g["params"]}
         groups = [{**g, "params": []} for g in factory_groups]
         self.piece_params = []
-        for buf in self.buffers:
+        for buf in self.buffers + self.expert_buffers:
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 groups[group_of[piece.slot.param]]["params"].append(tensor)
                 self.piece_params.append((piece, tensor))
-        for param in self.expert_shards.params.values() if self.expert_shards else ():
-            groups[group_of[param]]["params"].append(param)  # whole: stepped where held
         # A rank's slice may miss a group (one bucket's slice holding only matrices, say):
         # torch optimizers step empty groups as no-ops, and every rank keeps every group so
         # that param_groups line up across ranks in checkpoints.
@@ -293,14 +370,17 @@ class ZeroStrategy(StrategyBase):
             with self.expert_micro_batch(sync):
                 yield
         except BaseException:
-            self.reducer.reset()  # the run is failing: no further collectives
+            for reducer in self.reducers:  # the run is failing: no further collectives
+                reducer.reset()
             raise
         else:
             if self._sync:
-                self.reducer.finish()
+                for reducer in self.reducers:
+                    reducer.finish()
         finally:
-            if release and self.gatherer is not None:
-                self.gatherer.free_all()
+            if release:
+                for gatherer in self.gatherers:
+                    gatherer.free_all()
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale_loss(loss).backward()
@@ -317,12 +397,12 @@ class ZeroStrategy(StrategyBase):
             if self.stage == 1:  # accumulated into the bucket on every micro-batch
                 buf.add_grad(slot, grad)
         if self._sync:
-            self.reducer.on_grad(buf, slot, grad)
+            self._reducer_of[param].on_grad(buf, slot, grad)
 
     # ---- step -------------------------------------------------------------------------
     @property
     def _trainable(self) -> list[BucketBuffers]:
-        return [buf for buf in self.buffers if buf.bucket.trainable]
+        return [buf for buf in self.buffers + self.expert_buffers if buf.bucket.trainable]
 
     def _norm_inputs(self) -> tuple[list[torch.Tensor], int | list[int], dist.ProcessGroup]:
         """The gradient shards, how many ranks hold each element, and the group to sum over.
@@ -332,13 +412,8 @@ class ZeroStrategy(StrategyBase):
         pipeline parallel the sum runs over every stage too, and a tied embedding's two
         copies count once."""
         if self.dims.tp_size == 1 and self.schedule is None:
-            shards = [buf.grad_shard for buf in self._trainable]
-            if not self.expert_shards:
-                return shards, 1, self.group
-            # Expert slices: whole on each rank of their edp group, not sharded.
-            grads = [p.grad for p in self.expert_shards.params.values() if p.grad is not None]
-            copies = [1] * len(shards) + [self.expert_shards.replicas()] * len(grads)
-            return shards + grads, copies, self.group
+            # An expert slice's element too lives on one dp rank: its ep rank's, of its edp group.
+            return [buf.grad_shard for buf in self._trainable], 1, self.group
         pp = self.schedule.grad_copies if self.schedule is not None else lambda _: 1
         grads, copies = [], []
         for buf in self._trainable:
@@ -376,13 +451,10 @@ class ZeroStrategy(StrategyBase):
     def _nonfinite_grad_names(self) -> list[str]:
         names = []
         for buf in self._trainable:
-            lo = buf.bucket.shard_range(self.rank)[0]
+            lo = buf.bucket.shard_range(buf.rank)[0]
             for piece in buf.pieces:
                 if not torch.isfinite(buf.grad_shard[piece.start - lo : piece.stop - lo]).all():
                     names.append(piece.slot.name)
-        for name, param in self.expert_shards.params.items() if self.expert_shards else ():
-            if param.grad is not None and not torch.isfinite(param.grad).all():
-                names.append(name)
         return names
 
     def _attach_grads(self, buffers: list[BucketBuffers] | None = None) -> None:
@@ -394,7 +466,7 @@ class ZeroStrategy(StrategyBase):
             # The host reads the gradients the device copied out asynchronously.
             torch.cuda.current_stream(self.device).synchronize()
         for buf, grad in zip(buffers, grads, strict=True):
-            lo = buf.bucket.shard_range(self.rank)[0]
+            lo = buf.bucket.shard_range(buf.rank)[0]
             for piece, tensor in zip(buf.pieces, buf.piece_tensors, strict=True):
                 tensor.grad = grad[piece.start - lo : piece.stop - lo]
 
@@ -420,13 +492,15 @@ class ZeroStrategy(StrategyBase):
         self._publish(buf, non_blocking=False)
 
     def _publish(self, buf: BucketBuffers, non_blocking: bool = True) -> None:
-        """The stepped master as the working shard, and (stages 1-2) gathered again."""
-        if self.param_swap is not None:
+        """The stepped master as the working shard, and (stages 1-2) gathered again over
+        the group the bucket is cut over."""
+        group = self.group_of(buf)
+        if self.param_swap is not None and group is self.group:  # expert slices stay here
             self.param_swap.store(buf, buf.master)
         elif buf.master is not buf.shard:
             buf.shard.copy_(buf.master, non_blocking=non_blocking)
         if self.stage < 3:  # stage 3 gathers lazily, block by block, in the next forward
-            all_gather(buf.full, buf.shard, group=self.group)
+            all_gather(buf.full, buf.shard, group=group)
             self._count("all_gather", buf.full)
 
     def take_gradient_pass(self, extra: GradientPass, tokens: torch.Tensor) -> None:
@@ -448,8 +522,6 @@ class ZeroStrategy(StrategyBase):
                 buf.grad_full.zero_()
         for _, tensor in self.piece_params:
             tensor.grad = None
-        for param in self.expert_shards.params.values() if self.expert_shards else ():
-            param.grad = None
 
     # ---- accounting and checkpoints ---------------------------------------------------
     def _count(self, kind: str, payload: torch.Tensor) -> None:
@@ -457,35 +529,30 @@ class ZeroStrategy(StrategyBase):
             self._sent.add(kind, payload)
 
     def take_sent(self) -> dict[str, int]:
-        """Payload bytes of our collectives on the dp group, and under tensor parallel
-        DTensor's on the mesh by dimension (``tp.*``)."""
-        sent = Counter(self._sent.take_sent())
-        if self.expert_shards:
-            sent.update(self.expert_shards.sent.take_sent())
-        return dict(sent) | self.take_mesh_sent()
+        """Payload bytes of our collectives on the dp group (and the expert slices' on their
+        edp group), and under tensor parallel DTensor's on the mesh by dimension (``tp.*``)."""
+        return self._sent.take_sent() | self.take_mesh_sent()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Working params (stage 3: the full buffers hold only the blocks gathered now, their
         storages resized to 0 otherwise) and the shards; gradient shards, full gradient
         buckets and the reduce-scatters in flight while they exist; fp32 masters (when not
         the shard itself) and moments."""
-        in_flight = []
-        if self.reducer is not None:
-            in_flight = [t for _, payload, out, _ in self.reducer.pending for t in (payload, out)]
-        grads = [t for b in self.buffers for t in (b.grad_full, b.grad_shard, b.host_grad)]
-        experts = list(self.expert_shards.params.values()) if self.expert_shards else []
-        grads += [p.grad for p in experts]
+        pending = [p for reducer in self.reducers for p in reducer.pending]
+        in_flight = [t for _, payload, out, _ in pending for t in (payload, out)]
+        every = self.buffers + self.expert_buffers
+        grads = [t for b in every for t in (b.grad_full, b.grad_shard, b.host_grad)]
         # Offloaded to nvme: what is in memory is the pools the files stream through.
-        shards = [b.shard for b in self.buffers]
+        shards = [b.shard for b in every]
         if self.param_swap is not None:
-            shards = self.param_swap.resident()
+            shards = self.param_swap.resident() + [b.shard for b in self.expert_buffers]
         if self.optimizer_swap is not None:
             states = self.optimizer_swap.resident()
         else:
-            states = [b.master for b in self.buffers if b.master is not b.shard]
+            states = [b.master for b in every if b.master is not b.shard]
             states += optimizer_state_tensors(self.optimizer)
         return {
-            "params": [b.full for b in self.buffers] + shards + experts,
+            "params": [b.full for b in every] + shards,
             "grads": [t for t in grads if t is not None] + in_flight,
             "optimizer_states": states,
         }
