@@ -255,3 +255,23 @@ def test_deepspeeds_nvme_offload_names_what_it_lacks():
 
     with pytest.raises(ConfigError, match="libaio's library and headers are missing"):
         _require_async_io()
+
+
+def test_the_plan_offers_no_offload_under_expert_parallelism():
+    """The trainer refuses offload with ep > 1 (expert slices step on the device), so the
+    plan never offers it there: Mixtral-8x7B on 2 x 8 GPUs of 80 GiB, where offload makes
+    ep 1 layouts fit (and made 22 ep > 1 rows fit before the plan knew of the refusal)."""
+    cfg = compose_config(
+        [
+            "logger=none",
+            "output_dir=unused",
+            "model=mixtral-8x7b",
+            "data.seq_len=4096",
+            "estimate.nodes=2",
+            "estimate.gpus_per_node=8",
+        ]
+    )
+    rows = plan(cfg, model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg)))
+    assert {r.layout.ep for r in rows} == {1, 2, 4, 8}
+    assert all(r.offload == "none" for r in rows if r.layout.ep > 1)
+    assert any(r.fits and r.offload == "cpu" for r in rows if r.layout.ep == 1)

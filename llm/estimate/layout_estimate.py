@@ -154,8 +154,10 @@ def _offload_tier(
     when every GPU's moved states fit the node's host memory, else nvme), the bytes left on
     each GPU, and the step's extra seconds (nvme: the states read and written once per step
     by every GPU of the node at the node's NVMe speed; cpu's PCIe copies are not priced).
-    The optimizer states move first; under stage 3 the parameter shards too, if needed."""
-    if total <= cluster.device_memory or layout.zero_stage == 0:
+    The optimizer states move first; under stage 3 the parameter shards too, if needed.
+    Never under expert parallelism: the trainer refuses offload with ep > 1 (expert slices
+    step on the device, llm/validate/parallel.py), so the plan does not offer it."""
+    if total <= cluster.device_memory or layout.zero_stage == 0 or layout.ep > 1:
         return "none", total, 0.0
     moves = [("optimizer_states",)] + ([("optimizer_states", "params")] * (layout.zero_stage == 3))
     for rows in moves:
