@@ -1,6 +1,6 @@
 """Our ZeRO's offload tiers at gpt2-large on 2 CPU ranks: memory per rank, disk traffic per
-step and step time, in memory, with the optimizer offloaded to CPU memory, and to NVMe files
-(docs/zero.md, "The NVMe tier").
+step and step time, in memory, with the optimizer offloaded to CPU memory, and to NVMe files,
+beside DeepSpeed's own NVMe offload (docs/zero.md, "The NVMe tier").
 
 Each row spawns 2 gloo ranks that build the model on the meta device, wrap it with the
 row's strategy (each rank materialising only its part), and train ``--steps`` steps of
@@ -17,7 +17,10 @@ random tokens (fp32, AdamW); the last step is measured. Per rank:
 
 The default rows are zero3: in memory, with the optimizer offloaded to CPU memory (on a CPU
 device the master and moments are in that memory already, so it equals the first), to
-nvme, and with the parameter shards on nvme too. The machine is shared, so check `free -g`
+nvme, and with the parameter shards on nvme too; then DeepSpeed's ZeRO-3 with its optimizer
+on nvme, and with its parameters there too (its async_io op swaps them with libaio: `make
+libaio` installs it, `make bench-nvme` runs this with it; the op and its CPU Adam are
+JIT-built into TORCH_EXTENSIONS_DIR on first use). The machine is shared, so check `free -g`
 first: gpt2-large in memory needs about 7 GiB per rank under zero3 (fp32: the shard, its
 gradient and two moments, 16Φ/N, plus the gathered blocks), 9 under zero2.
 ``--model gpt2-medium`` is the fallback.
@@ -42,7 +45,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from llm.config import Config, OptimizerConfig, ParallelismConfig, TrainConfig
-from llm.launch.launcher import free_port
+from llm.launch.launcher import free_port, set_cache_dirs
 from llm.models import InitSource, build_model, model_args
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import resolve_precision
@@ -164,6 +167,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--nvme-path", default=None, help="default: a temporary folder")
     args = parser.parse_args()
+    set_cache_dirs()  # DeepSpeed's JIT-built ops are found in, or go to, .cache/torch_extensions
     nvme = Path(args.nvme_path or tempfile.mkdtemp(prefix="nvme-bench-"))
     nvme.mkdir(parents=True, exist_ok=True)
     header = (
