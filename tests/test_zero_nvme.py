@@ -16,7 +16,7 @@ from llm.parallel.zero.nvme import OptimizerSwap
 
 STEPS = ("train.max_steps=4", "parallelism.bucket_cap_mb=0.05", "launcher.nproc_per_node=2")
 # DeepSpeed's NVMe offload against ours, per step's loss (SGD, 4 steps, 2 ranks): measured
-# at most 5.1e-8 relative at gpt2-tiny's shape (step 4: 4.7207980 against 4.7207978).
+# at most 5.2e-8 relative (step 4: 4.5833359 against 4.5833356).
 LOSS_REL = 1e-5
 
 
@@ -178,6 +178,9 @@ def test_deepspeeds_nvme_offload_tracks_ours(tmp_path, text_corpus, cache_dir):
         "parallelism.zero_stage=3",
         "launcher.nproc_per_node=2",
         "train.max_steps=4",
+        # Our checkpoint code reads DeepSpeed's flat fp32 partitions in memory, which are
+        # empty while swapped out to nvme (docs/zero.md, "DeepSpeed's NVMe offload").
+        "checkpoint.enabled=false",
         *offload,
         f"parallelism.nvme_path={folders['deepspeed']}",
     )
