@@ -150,7 +150,7 @@ def test_deepspeeds_nvme_offload_tracks_ours(tmp_path, text_corpus, cache_dir):
     offload = (
         "optimizer=sgd",
         # DeepSpeed swaps an optimizer partition only from 1 MiB up (its aio block size):
-        # at d_model 128 and 4 layers each rank's decayed partition is about 1.6 MB.
+        # at d_model 128 and 4 layers each rank's decayed partition is 1,704,960 bytes.
         "model.d_model=128",
         "model.n_layers=4",
         "parallelism.offload_optimizer=nvme",
