@@ -11,7 +11,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help venv venv211 train test test-slow test-gpu test-slurm gpu-pass gpu-stamp gpu-publish gpu-wheels lint bench bench-strategies bench-attention bench-optimizers bench-recompute bench-pipeline profile experiments experiments-gpu clean
+.PHONY: help venv venv211 train test test-slow test-gpu test-slurm libaio gpu-pass gpu-stamp gpu-publish gpu-wheels lint bench bench-strategies bench-nvme bench-attention bench-optimizers bench-recompute bench-pipeline profile experiments experiments-gpu clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -54,6 +54,11 @@ test-slurm: $(STAMP) ## the Slurm tests on a one-host cluster they start and sto
 	command -v slurmctld >/dev/null || { apt-get update -qq && apt-get install -y -qq slurm-wlm; }
 	$(PY) -m pytest -m slurm $(ARGS)
 
+# DeepSpeed's NVMe offload swaps with its async_io op, JIT-built against libaio's headers and
+# library (docs/zero.md, "DeepSpeed's NVMe offload, the peer"); pip cannot provide them.
+libaio: ## libaio for DeepSpeed's NVMe offload (apt-installs libaio-dev if missing)
+	test -e /usr/include/libaio.h || { apt-get update -qq && apt-get install -y -qq libaio-dev; }
+
 # The GPU pass: PART=1|2 (default both), OUT=folder, DRY=1 for the CPU code-path check.
 # GPU_PY=python3 runs it with an environment of your own (a sealed GPU image) instead of .venv.
 GPU_PY ?= $(PY)
@@ -80,6 +85,9 @@ bench: $(STAMP) ## our training step against transformers' GPT2LMHeadModel
 
 bench-strategies: $(STAMP) ## DDP, our ZeRO-1/2/3, FSDP2, DeepSpeed, tp and pp rows on 2 and 4 ranks, one table
 	$(PY) benchmarks/strategies.py $(ARGS)
+
+bench-nvme: $(STAMP) libaio ## our ZeRO-3 in memory, offloaded to CPU and to NVMe, beside DeepSpeed's NVMe offload
+	$(PY) benchmarks/nvme_offload.py $(ARGS)
 
 bench-attention: $(STAMP) ## attention backends: time, TFLOP/s, memory vs T (table + plot)
 	$(PY) benchmarks/attention.py $(ARGS)

@@ -1,6 +1,6 @@
 """Our ZeRO's offload tiers at gpt2-large on 2 CPU ranks: memory per rank, disk traffic per
-step and step time, in memory, with the optimizer offloaded to CPU memory, and to NVMe files
-(docs/zero.md, "The NVMe tier").
+step and step time, in memory, with the optimizer offloaded to CPU memory, and to NVMe files,
+beside DeepSpeed's own NVMe offload (docs/zero.md, "The NVMe tier").
 
 Each row spawns 2 gloo ranks that build the model on the meta device, wrap it with the
 row's strategy (each rank materialising only its part), and train ``--steps`` steps of
@@ -17,7 +17,10 @@ random tokens (fp32, AdamW); the last step is measured. Per rank:
 
 The default rows are zero3: in memory, with the optimizer offloaded to CPU memory (on a CPU
 device the master and moments are in that memory already, so it equals the first), to
-nvme, and with the parameter shards on nvme too. The machine is shared, so check `free -g`
+nvme, and with the parameter shards on nvme too; then DeepSpeed's ZeRO-3 with its optimizer
+on nvme, and with its parameters there too (its async_io op swaps them with libaio: `make
+libaio` installs it, `make bench-nvme` runs this with it; the op and its CPU Adam are
+JIT-built into TORCH_EXTENSIONS_DIR on first use). The machine is shared, so check `free -g`
 first: gpt2-large in memory needs about 7 GiB per rank under zero3 (fp32: the shard, its
 gradient and two moments, 16Φ/N, plus the gathered blocks), 9 under zero2.
 ``--model gpt2-medium`` is the fallback.
@@ -41,8 +44,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from llm.config import OptimizerConfig, ParallelismConfig
-from llm.launch.launcher import free_port
+from llm.config import Config, OptimizerConfig, ParallelismConfig, TrainConfig
+from llm.launch.launcher import free_port, set_cache_dirs
 from llm.models import InitSource, build_model, model_args
 from llm.parallel import ParallelDims, build_strategy
 from llm.precision import resolve_precision
@@ -50,7 +53,7 @@ from llm.precision import resolve_precision
 CPU = torch.device("cpu")
 WORLD = 2
 MiB = 2**20
-# name: (strategy, offload_optimizer, offload_params)
+# name: (strategy, offload_optimizer, offload_params); deepspeed rows run its ZeRO-3
 ROWS = {
     "zero3": ("zero3", "none", "none"),
     "zero3-cpu": ("zero3", "cpu", "none"),
@@ -58,8 +61,10 @@ ROWS = {
     "zero3-nvme-params": ("zero3", "nvme", "nvme"),
     "zero2": ("zero2", "none", "none"),
     "zero2-nvme": ("zero2", "nvme", "none"),
+    "ds-zero3-nvme": ("deepspeed", "nvme", "none"),
+    "ds-zero3-nvme-params": ("deepspeed", "nvme", "nvme"),
 }
-DEFAULT_ROWS = "zero3,zero3-cpu,zero3-nvme,zero3-nvme-params"
+DEFAULT_ROWS = "zero3,zero3-cpu,zero3-nvme,zero3-nvme-params,ds-zero3-nvme,ds-zero3-nvme-params"
 
 
 def _trim() -> None:
@@ -96,17 +101,29 @@ def _rank(rank, world, port, results, args, row, nvme_path) -> None:
     name, optimizer, params = ROWS[row]
     cfg = ParallelismConfig(
         name=name,
+        zero_stage=3 if name == "deepspeed" else 0,
         offload_optimizer=optimizer,
         offload_params=params,
         nvme_path=nvme_path if "nvme" in (optimizer, params) else None,
     )
+    # DeepSpeed builds its engine from the whole run's settings: one sequence per rank and
+    # step, clipping at 1.0, as the loop below does for ours.
+    run_config = Config(
+        parallelism=cfg,
+        optimizer=OptimizerConfig(lr=1e-4),
+        train=TrainConfig(micro_batch_size=1, grad_clip=1.0, device="cpu"),
+    )
     margs = model_args(args.model)
     strategy = build_strategy(
-        cfg, ParallelDims.from_config(-1, 1, 1, world, rank), resolve_precision("fp32", CPU), CPU
+        cfg,
+        ParallelDims.from_config(-1, 1, 1, world, rank),
+        resolve_precision("fp32", CPU),
+        CPU,
+        run_config=run_config,
     )
     try:
         model = strategy.wrap(build_model(margs), InitSource(margs, 0))
-        strategy.build_optimizer(model, OptimizerConfig(lr=1e-4))
+        strategy.build_optimizer(model, run_config.optimizer)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(args.steps):
             tokens = torch.randint(0, margs.vocab_size, (1, args.seq + 1), generator=gen)
@@ -121,7 +138,8 @@ def _rank(rank, world, port, results, args, row, nvme_path) -> None:
             end = time.perf_counter()
             _trim()
         after, swapped_after = _io(), _swapped(strategy)
-        phi = sum(p.numel() for p in model.parameters())
+        # DeepSpeed's stage-3 parameters hold their partition only; ds_numel is the whole.
+        phi = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         results[rank] = {
             **_status(),
             "read": after["read_bytes"] - io["read_bytes"],
@@ -131,7 +149,10 @@ def _rank(rank, world, port, results, args, row, nvme_path) -> None:
             "step_s": end - start,
             "optimizer_s": end - stepped,
             "phi": phi,
-            "io": (strategy.offload_facts() or {}).get("optimizer", {}).get("io", "-"),
+            # DeepSpeed's async_io op opens its swap files with O_DIRECT, always.
+            "io": "libaio, O_DIRECT"
+            if name == "deepspeed"
+            else (strategy.offload_facts() or {}).get("optimizer", {}).get("io", "-"),
         }
     finally:
         strategy.close()
@@ -146,6 +167,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--nvme-path", default=None, help="default: a temporary folder")
     args = parser.parse_args()
+    set_cache_dirs()  # DeepSpeed's JIT-built ops are found in, or go to, .cache/torch_extensions
     nvme = Path(args.nvme_path or tempfile.mkdtemp(prefix="nvme-bench-"))
     nvme.mkdir(parents=True, exist_ok=True)
     header = (
@@ -172,7 +194,9 @@ def main() -> None:
                 f"{r['VmHWM'] / MiB:,.0f}",
                 f"{r['read'] / MiB:,.0f}",
                 f"{r['written'] / MiB:,.0f}",
-                f"{r['swap_read'] / MiB:,.0f} / {r['swap_written'] / MiB:,.0f}",
+                f"{r['swap_read'] / MiB:,.0f} / {r['swap_written'] / MiB:,.0f}"
+                if ROWS[row][0] != "deepspeed"
+                else "-",
                 f"{formula:,.0f}",
                 f"{r['step_s']:.2f}",
                 f"{r['optimizer_s']:.2f}",

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from llm.parallel.ds_ops import SHM_COMM, announce_builds, not_built, optimizer_ops
+from llm.parallel.ds_ops import SHM_COMM, announce_builds, not_built, optimizer_ops, swap_ops
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -28,12 +28,36 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
             CPU,
             ["cpu_adam"],
         ),
+        (
+            {
+                "optimizer": {"type": "AdamW", "params": {"torch_adam": False}},
+                "zero_optimization": {"offload_optimizer": {"device": "nvme"}},
+            },
+            CPU,
+            ["cpu_adam"],
+        ),
         ({"optimizer": {"type": "Lamb", "params": {}}}, GPU, ["fused_lamb"]),
         ({"optimizer": {"type": "Muon", "params": {}}}, GPU, []),
     ],
 )
 def test_the_ops_a_config_builds(ds_config, device, ops):
     assert optimizer_ops(ds_config, device) == ops
+
+
+@pytest.mark.parametrize(
+    "zero, ops",
+    [
+        ({}, []),
+        ({"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, []),
+        ({"offload_optimizer": {"device": "nvme"}}, ["async_io"]),
+        (
+            {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}},
+            ["async_io"],
+        ),
+    ],
+)
+def test_an_nvme_offload_builds_the_swappers_op(zero, ops):
+    assert swap_ops({"zero_optimization": zero}) == ops
 
 
 def test_said_before_a_build_and_not_once_built(tmp_path, caplog):

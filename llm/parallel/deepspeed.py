@@ -53,7 +53,7 @@ from llm.models import WeightSource, materialize_from
 from llm.optim import GradientPass, build_optimizer, optimizer_param_groups
 from llm.parallel import ds_checkpoint as ckpt
 from llm.parallel.ds_config import checked_ds_config
-from llm.parallel.ds_ops import SHM_COMM, announce_builds, optimizer_ops
+from llm.parallel.ds_ops import SHM_COMM, announce_builds, optimizer_ops, swap_ops
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.step import StepResult
 from llm.parallel.strategy import refuse_optimizer, register_strategy
@@ -125,14 +125,16 @@ def _require_async_io() -> None:
     """DeepSpeed swaps to NVMe with its async_io op, which needs libaio (the libaio-dev
     package's library and headers) to JIT-build. Without it DeepSpeed 0.19.8 fails inside
     its swapper with "Unable to JIT load the async_io op due to it not being compatible due
-    to hardware/software issue. None"; this says what is missing instead."""
+    to hardware/software issue. None"; this says what is missing, and the command that
+    installs it (the Makefile's libaio target), instead."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
         raise ConfigError(
             "parallelism.offload_*=nvme under deepspeed needs DeepSpeed's async_io op, which "
-            "cannot build here: libaio's library and headers are missing; install libaio-dev, "
-            "or use parallelism=zero3 with the same offload (our own nvme tier)"
+            "cannot build here: libaio's library and headers are missing; run `make libaio` "
+            "(apt-get install libaio-dev), or use parallelism=zero3 with the same offload "
+            "(our own nvme tier)"
         )
 
 
@@ -193,7 +195,7 @@ class DeepSpeedStrategy:
         # optimizer, stepped on DeepSpeed's flat fp32 partitions (element-wise ones only:
         # llm.parallel.strategy.refuse_optimizer).
         client = None if "optimizer" in self.ds_config else build_optimizer(model, opt_cfg)
-        announce_builds(optimizer_ops(self.ds_config, self.device))
+        announce_builds(optimizer_ops(self.ds_config, self.device) + swap_ops(self.ds_config))
         if "nvme" in (self.cfg.offload_optimizer, self.cfg.offload_params):
             _require_async_io()
         if client is None and self.cfg.offload_optimizer != "none":

@@ -7,7 +7,8 @@ nothing: a first run looks hung. Which ops a run needs follows from its ds_confi
 
 - ``deepspeed_shm_comm``: DeepSpeed's shared-memory collectives, built by
   ``deepspeed.init_distributed`` on the CPU accelerator;
-- ``cpu_adam``: ZeRO-Offload's Adam (``offload_optimizer``);
+- ``cpu_adam``: ZeRO-Offload's Adam (``offload_optimizer`` to cpu or nvme);
+- ``async_io``: the NVMe swapper's libaio reads and writes (an ``offload_*`` to nvme);
 - ``fused_adam``: Adam/AdamW without ``torch_adam`` on a GPU (our config sets torch_adam
   outside offload, a user's ds_config may not);
 - ``fused_lamb``: DeepSpeed's LAMB.
@@ -36,10 +37,17 @@ def optimizer_ops(ds_config: dict, device: torch.device) -> list[str]:
     params = optimizer.get("params", {})
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
     if kind in ("adam", "adamw"):
-        if offload.get("device") == "cpu":
+        if offload.get("device") in ("cpu", "nvme"):  # DeepSpeed steps both on the host
             return ["cpu_adam"]
         return [] if params.get("torch_adam") or device.type != "cuda" else ["fused_adam"]
     return ["fused_lamb"] if kind == "lamb" else []
+
+
+def swap_ops(ds_config: dict) -> list[str]:
+    """The op DeepSpeed's NVMe swapper loads when ``ds_config`` offloads anything to nvme."""
+    zero = ds_config.get("zero_optimization", {})
+    sections = (zero.get("offload_optimizer") or {}, zero.get("offload_param") or {})
+    return ["async_io"] if any(s.get("device") == "nvme" for s in sections) else []
 
 
 def not_built(names: list[str], extensions_dir: Path | None = None) -> list[str]:
