@@ -171,6 +171,33 @@ def test_validate_refuses_what_the_streamed_step_cannot_run(tmp_path):
         validate(cfg(f"parallelism.nvme_path={tmp_path}", "optimizer=muon"))
 
 
+def test_deepspeeds_nvme_offload_with_checkpoints_is_refused_before_start(tmp_path):
+    """Our DeepSpeed checkpoints read its fp32 partitions in memory, which its NVMe swap
+    leaves empty (every rank's first save failed mid-run): one line before start; without
+    checkpoints the same run passes the checks."""
+    from llm.validate import validate
+
+    def cfg(*extra):
+        return compose_config(
+            [
+                f"output_dir={tmp_path}/run",
+                "model=gpt2-tiny",
+                "train.device=cpu",
+                "data.tokenizer=byte",
+                "parallelism=deepspeed",
+                "parallelism.zero_stage=3",
+                "parallelism.offload_optimizer=nvme",
+                f"parallelism.nvme_path={tmp_path}",
+                *extra,
+            ]
+        )
+
+    with pytest.raises(ConfigError, match=r"set checkpoint\.enabled=false") as err:
+        validate(cfg())
+    assert "\n" not in str(err.value)
+    validate(cfg("checkpoint.enabled=false"))
+
+
 def test_deepspeed_gets_its_nvme_sections():
     cfg = compose_config(
         [

@@ -30,7 +30,10 @@ def offloaded_bytes_per_rank(cfg: Config, args, precision, world: int) -> int:
 
 def validate_offload(cfg: Config, args, precision, nproc: int, world: int) -> None:
     p = cfg.parallelism
-    if "nvme" not in (p.offload_optimizer, p.offload_params) or p.name == "deepspeed":
+    if "nvme" not in (p.offload_optimizer, p.offload_params):
+        return
+    if p.name == "deepspeed":
+        _refuse_deepspeed_nvme_checkpoints(cfg)
         return
     spec = OPTIMIZERS[cfg.optimizer.name]
     if p.offload_optimizer == "nvme" and (spec.layout != ELEMENTWISE or spec.gradient_pass):
@@ -46,3 +49,17 @@ def validate_offload(cfg: Config, args, precision, nproc: int, world: int) -> No
         )
     need = offloaded_bytes_per_rank(cfg, args, precision, world) * nproc
     check_nvme_path(p.nvme_path, need)
+
+
+def _refuse_deepspeed_nvme_checkpoints(cfg: Config) -> None:
+    """Our DeepSpeed checkpoint code (llm/parallel/ds_checkpoint.py) reads the engine's fp32
+    optimizer partitions in memory; DeepSpeed's NVMe offload leaves a swapped partition
+    empty there, so every rank's first save would fail mid-run ("start (0) + length (N)
+    exceeds dimension size (0)"). Refused before the run instead."""
+    if cfg.parallelism.offload_optimizer == "nvme" and cfg.checkpoint.enabled:
+        raise ConfigError(
+            "parallelism=deepspeed with offload_optimizer=nvme: our checkpoints read "
+            "DeepSpeed's fp32 optimizer partitions in memory, which its NVMe swap leaves "
+            "empty; set checkpoint.enabled=false, or use offload_optimizer=cpu or our "
+            "parallelism=zero3 with offload_optimizer=nvme"
+        )
