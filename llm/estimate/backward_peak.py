@@ -2,15 +2,15 @@
 again and their gradients exist at full size, beside nearly every saved activation. The
 estimate's total is the larger of this moment and the end of forward (estimator.py).
 
-Under ``parallelism=zero3`` (our ZeRO, llm/parallel/zero), during the last block's backward:
+Under ``parallelism=zero3`` (our ZeRO, llm/parallel/zero), during the last blocks' backward:
 - gathered units (gather.py): the root, kept gathered from the first forward to the end of
   backward, the block computing and, with ``prefetch``, the one before it;
 - the root's gradient buckets that a final norm or head fills before the blocks' backward
   (a bucket's full-size gradient exists from its first gradient, buffers.py ``take_grad``;
   the root's buckets are launched last, reducer.py). An embedding's gradient arrives at the
   end of backward (a tied head's too: autograd accumulates it once, after the lookup);
-- the block's gradient buckets in flight: reducer.py launches the block's buckets last one
-  first as each completes, at most ``buckets_in_flight`` pending (launching one more first
+- the gradient buckets in flight over the last two blocks' backward: reducer.py launches a
+  block's buckets last one first as each completes, at most ``buckets_in_flight`` pending (launching one more first
   retires the oldest), and the bucket being filled holds its full-size gradient beside the
   gradient autograd just made for one of its parameters (in the working dtype, until
   ``take_grad`` copies it in).
@@ -60,7 +60,7 @@ def _zero3(model, par, policy, forward: dict[str, int], world: int) -> dict[str,
     buckets = model_buckets(model, 3, par.bucket_cap_mb, w, world)
     n_blocks = len(model_blocks(model))
     root = [b for b in buckets if b.unit == n_blocks]
-    last = [b for b in buckets if b.unit == n_blocks - 1]
+    last_two = [b for b in buckets if b.unit >= n_blocks - 2 and b.unit != n_blocks]
     gathered_blocks = [n_blocks - 1] + ([n_blocks - 2] if par.prefetch and n_blocks > 1 else [])
     gathered = sum(b.padded for b in buckets if b.unit in gathered_blocks)
     gathered += sum(b.padded for b in root)
@@ -73,14 +73,15 @@ def _zero3(model, par, policy, forward: dict[str, int], world: int) -> dict[str,
     rows = dict(forward)
     rows["params"] += w * gathered
     rows["grads"] += r * sum(b.padded for b in early)
-    rows["reduce_buckets"] = _buckets_in_flight(last, par.buckets_in_flight, w, r)
+    rows["reduce_buckets"] = _buckets_in_flight(last_two, par.buckets_in_flight, w, r)
     return rows
 
 
 def _buckets_in_flight(block: list[Bucket], in_flight: int, w: int, r: int) -> int:
-    """The most bytes the last block's gradient buckets hold at once in its backward,
-    following reducer.py: the pending reduce-scatters (full-size input and shard output),
-    the bucket being filled and the gradient autograd made for its largest parameter."""
+    """The most bytes the gradient buckets of the last blocks (``block``) hold at once in
+    their backward, following reducer.py: the pending reduce-scatters (full-size input and
+    shard output; the last block's still pending when the one before it starts), the bucket
+    being filled and the gradient autograd made for its largest parameter."""
     pending: list[int] = []
     most = 0
     for b in sorted((b for b in block if b.trainable), key=lambda b: -b.index):
