@@ -130,7 +130,9 @@ def prepare_across_ranks(
 ) -> PreparedData:
     """This rank's prepared data, prepared once per node or once in all (module docstring).
     Every rank of the process group calls it; alone, it is ``prepare_data``."""
-    if world == 1 or not dist.is_initialized():
+    # A rehearsal's fake group (llm.rehearse) has no peers to share the work with, and
+    # cannot make the gloo group below.
+    if world == 1 or not dist.is_initialized() or dist.get_backend() == "fake":
         return prepare_data(cfg)
     group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_min))
     try:

@@ -12,6 +12,7 @@ from llm.attention import Choice, resolve_for
 from llm.config import Config
 from llm.errors import ConfigError
 from llm.estimate.activations import estimate_activations, outside_by_stage
+from llm.estimate.backward_peak import backward_rows
 from llm.estimate.gathered import gathered_saved_bytes
 from llm.estimate.stages import (
     StageShape,
@@ -40,7 +41,9 @@ RECOMPUTE_EXTRA_FORWARD = {"none": 0.0, "full": 1.0}
 @dataclass
 class Estimate:
     """Per-rank bytes by row (device), what offload moves to host, and the step's payload.
-    Under pipeline parallel the rows are those of the pipeline rank with the largest total
+    ``device`` holds the rows at the end of forward; ``backward`` those at the backward
+    moment where a sharded layout has one (llm.estimate.backward_peak), and ``total`` is the
+    larger of the two moments. Under pipeline parallel the rows are those of the pipeline rank with the largest total
     (``rank``, the one that sets the peak) and ``stages`` lists every pipeline rank's."""
 
     device: dict[str, int]
@@ -52,10 +55,18 @@ class Estimate:
     activations: dict | None = None  # per-layer terms, outside terms, counts
     stages: list[StageRows] | None = None
     disk: dict[str, int] = dataclasses.field(default_factory=dict)  # in nvme files
+    backward: dict[str, int] | None = None
 
     @property
     def total(self) -> int:
-        return sum(self.device.values())
+        return sum(self.peak_rows.values())
+
+    @property
+    def peak_rows(self) -> dict[str, int]:
+        """The rows of the moment with the larger total (the end of forward on equals)."""
+        if self.backward is None or sum(self.backward.values()) <= sum(self.device.values()):
+            return self.device
+        return self.backward
 
     @property
     def fits(self) -> bool:
@@ -66,6 +77,7 @@ class Estimate:
             "world": self.world,
             "rank": self.rank,
             "device_bytes": self.device,
+            "backward_bytes": self.backward,
             "host_bytes": self.host,
             "nvme_bytes": self.disk,
             "total_bytes": self.total,
@@ -183,7 +195,9 @@ def estimate(cfg: Config, args) -> Estimate:
     if name == "offload":  # the saved tensors live in pinned host memory
         states.host["activations"] = acts.n_layers * sum(acts.layer_none.values())
     n = sum(p.numel() for p in model.parameters())
-    return _assemble(cfg, states, acts, n, policy, world)
+    est = _assemble(cfg, states, acts, n, policy, world)
+    est.backward = backward_rows(model, par, policy, est.device, world)
+    return est
 
 
 def _stage(cfg: Config, args, acts, policy, stream, micro_batch: int, pp_rank: int) -> StageRows:

@@ -40,7 +40,9 @@ def estimate_table(est: Estimate, title: str) -> Table:
     for name in names:
         table.add_column(name, justify="left" if name == per_rank else "right")
     blank = ("",) * (len(names) - 3)
-    for row, value in est.device.items():
+    if est.peak_rows is est.backward:  # the rows shown are the moment the total is
+        table.title = f"{title} (peak early in backward)"
+    for row, value in est.peak_rows.items():
         elsewhere = [est.host.get(row, 0)] + ([est.disk.get(row, 0)] if est.disk else [])
         table.add_row(row, f"{value:,}", human(value), *(human(n) if n else "" for n in elsewhere))
     verdict = "fits" if est.fits else "does NOT fit"

@@ -1,0 +1,94 @@
+"""The estimator's second moment (llm.estimate.backward_peak): sharded layouts' rows early in
+backward, each term counted from the model's own parameters, and the total the larger of
+the two moments. The rehearsals it is checked against are in tests/test_rehearse.py."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import compose_config
+
+from llm.build import model_args_for
+from llm.estimate.estimator import estimate, meta_model
+from llm.models import model_blocks
+
+
+def _estimate(*overrides, world: int = 8):
+    cfg = compose_config(
+        [
+            "logger=none",
+            "output_dir=unused",
+            "model=gpt2-tiny",
+            "data.seq_len=64",
+            "precision=fp32",
+            f"estimate.gpus_per_node={world}",
+            *overrides,
+        ]
+    )
+    args = model_args_for(cfg, vocab_size=cfg.data.vocab_size)
+    return estimate(cfg, args), meta_model(cfg, args.padded(cfg.model.vocab_multiple))
+
+
+def _numel(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.parametrize("prefetch, gathered_blocks", [(True, 2), (False, 1)])
+def test_zero3_backward_gathers_the_root_and_the_blocks_its_prefetch_holds(
+    prefetch, gathered_blocks
+):
+    """fp32 (4-byte units): parameters at the backward moment are the shards plus the
+    whole root and one or two whole blocks (their buckets padded to a shard boundary)."""
+    est, model = _estimate(
+        "parallelism=zero3", f"parallelism.prefetch={str(prefetch).lower()}", world=2
+    )
+    blocks = model_blocks(model)
+    root = _numel(model) - sum(_numel(b) for b in blocks)
+    gathered = 4 * (root + gathered_blocks * _numel(blocks[-1]))
+    assert est.backward["params"] - est.device["params"] == pytest.approx(gathered, rel=1e-3)
+    assert est.backward["optimizer_states"] == est.device["optimizer_states"]
+
+
+def test_zero3_one_bucket_per_block_holds_two_buckets_and_the_largest_gradient():
+    """With buckets wider than a block each block is one bucket (fp32, 2 ranks): at the
+    most, in the backward of the block before the last, the last block's bucket is still
+    in flight (its full size and its half-size output), beside the block's own bucket and
+    the gradient autograd just made for its largest parameter; the root's gradient bucket
+    (final norm and tied head) sits beside the shards."""
+    est, model = _estimate("parallelism=zero3", "parallelism.bucket_cap_mb=1000", world=2)
+    block = model_blocks(model)[-1]
+    largest = max(p.numel() for p in block.parameters())
+    assert est.backward["reduce_buckets"] == pytest.approx(
+        4 * (2.5 * _numel(block) + largest), rel=1e-3
+    )
+    root = _numel(model) - sum(_numel(b) for b in model_blocks(model))
+    assert est.backward["grads"] - est.device["grads"] == pytest.approx(4 * root, rel=1e-3)
+
+
+def test_fsdp_backward_holds_four_unsharded_blocks_and_one_block_of_gradient_shards():
+    """fp32: four whole blocks, one block's gradient shard in place of the whole gradient
+    shard, no gathered weights saved (the last block is resharded by then); the total is
+    the larger moment's, in the JSON too."""
+    est, model = _estimate("parallelism=fsdp", world=4)
+    block = _numel(model_blocks(model)[-1])
+    assert est.backward["unsharded_blocks"] == 4 * 4 * block
+    assert est.backward["grads"] == 4 * block // 4
+    assert "gathered_weights" in est.device and "gathered_weights" not in est.backward
+    assert est.backward["optimizer_states"] == est.device["optimizer_states"]
+    forward, backward = sum(est.device.values()), sum(est.backward.values())
+    assert est.total == max(forward, backward) == est.to_json()["total_bytes"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallelism=fsdp", "parallelism.reshard_after_forward=false"],
+        ["parallelism=zero2"],
+        ["parallelism=single"],
+    ],
+)
+def test_layouts_without_a_backward_moment_keep_the_forward_total(overrides):
+    """Unsharded parameters (FSDP2 without resharding, ZeRO 1-2, one device) have no
+    second moment: the total is the end-of-forward rows', as before."""
+    est, _ = _estimate(*overrides, world=1 if "parallelism=single" in overrides else 4)
+    assert est.backward is None
+    assert est.total == sum(est.device.values())
