@@ -263,11 +263,9 @@ def _train(
 
 def _prepared_data(cfg: Config, env: RankEnv) -> PreparedData:
     """The corpus and tokenizer, prepared once per node or once in all on a shared cache (a
-    no-op when our launcher prepared). A rehearsal is one process: it prepares alone (the
-    fake group carries no other rank)."""
-    preparers = 1 if rehearsing() else env.world_size
+    no-op when our launcher prepared; a rehearsal prepares alone)."""
     prepared = prepare_across_ranks(
-        cfg.data, env.rank, env.local_rank, preparers, cfg.launcher.timeout_min
+        cfg.data, env.rank, env.local_rank, env.world_size, cfg.launcher.timeout_min
     )
     if env.rank == 0:
         save_tokenizer(prepared.tokenizer, Path(cfg.output_dir))  # llm.generate decodes with it
