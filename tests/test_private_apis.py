@@ -363,7 +363,13 @@ GUARD = {
     "torch.distributed._composable.replicate_with_fsdp.replicate": Guard(
         "llm/parallel/ddp_replicate.py"
     ),
-    "torch.distributed.tensor.placement_types._StridedShard": Guard("llm/parallel/fsdp.py"),
+    "torch.distributed.tensor.placement_types._StridedShard": Guard(
+        "llm/parallel/experts/checkpoint.py llm/parallel/fsdp.py"
+    ),
+    # An expert tensor sharded over (edp, ep): the ep split outside, edp's inside it.
+    "torch.distributed.tensor.placement_types._StridedShard(split_factor=)": Guard(
+        "llm/parallel/experts/checkpoint.py"
+    ),
     "torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model": Guard(
         "llm/parallel/ddp.py"
     ),
