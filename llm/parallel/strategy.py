@@ -72,13 +72,7 @@ class Strategy(SentBytes, Protocol):
         reduced over their edp ranks in buckets during the backward that syncs, waited for
         when it ends (llm/parallel/experts/grads.py); nothing without expert parallelism
         or where the strategy shards the slices and reduces them itself (fsdp)."""
-        if self.expert_shards is None or self.expert_shards.sharded:
-            return contextlib.nullcontext()
-        if self._expert_grads is None:  # hooks in place before the first backward
-            self._expert_grads = ExpertGradReducer(
-                self.expert_shards, self.cfg.bucket_cap_mb, lambda: self.counting
-            )
-        return self._expert_grads.micro_batch(sync)
+        ...
 
     def loss_context(self, training: bool = True) -> AbstractContextManager: ...
 
