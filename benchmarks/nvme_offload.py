@@ -20,7 +20,11 @@ device the master and moments are in that memory already, so it equals the first
 nvme, and with the parameter shards on nvme too; then DeepSpeed's ZeRO-3 with its optimizer
 on nvme, and with its parameters there too (its async_io op swaps them with libaio: `make
 libaio` installs it, `make bench-nvme` runs this with it; the op and its CPU Adam are
-JIT-built into TORCH_EXTENSIONS_DIR on first use). The machine is shared, so check `free -g`
+JIT-built into TORCH_EXTENSIONS_DIR on first use). The ``-lean`` DeepSpeed rows run the
+same with examples/ds_config_nvme.json, DeepSpeed's memory knobs for NVMe (``LEAN_DS_CONFIG``).
+DeepSpeed's rows need far more memory than ours: its engine materialises and partitions
+the whole model on each rank, and at gpt2-large each of its 2 ranks passed 12 GiB (docs/zero.md).
+The machine is shared, so check `free -g`
 first: gpt2-large in memory needs about 7 GiB per rank under zero3 (fp32: the shard, its
 gradient and two moments, 16Φ/N, plus the gathered blocks), 9 under zero2.
 ``--model gpt2-medium`` is the fallback.
@@ -53,7 +57,15 @@ from llm.precision import resolve_precision
 CPU = torch.device("cpu")
 WORLD = 2
 MiB = 2**20
-# name: (strategy, offload_optimizer, offload_params); deepspeed rows run its ZeRO-3
+# DeepSpeed's memory knobs for NVMe: optimizer sub-groups of 1e8 elements (1e9 by
+# default); max_in_cpu 0, so that its parameters go to the disk as ours do (by default it
+# keeps up to 1e9 elements in CPU memory); and, for that, 16 parameter swap buffers of 3.3e7
+# elements, at most 1e8 live parameter elements and a reuse distance of 0, so that a
+# parameter's buffer is freed after its use: with its defaults every buffer stayed taken and
+# the next swap-in failed ("Not enough buffers 0 for swapping 1", DeepSpeed issue #3062).
+LEAN_DS_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "ds_config_nvme.json"
+# name: (strategy, offload_optimizer, offload_params); deepspeed rows run its ZeRO-3, the
+# "-lean" ones with LEAN_DS_CONFIG
 ROWS = {
     "zero3": ("zero3", "none", "none"),
     "zero3-cpu": ("zero3", "cpu", "none"),
@@ -63,6 +75,8 @@ ROWS = {
     "zero2-nvme": ("zero2", "nvme", "none"),
     "ds-zero3-nvme": ("deepspeed", "nvme", "none"),
     "ds-zero3-nvme-params": ("deepspeed", "nvme", "nvme"),
+    "ds-zero3-nvme-lean": ("deepspeed", "nvme", "none"),
+    "ds-zero3-nvme-params-lean": ("deepspeed", "nvme", "nvme"),
 }
 DEFAULT_ROWS = "zero3,zero3-cpu,zero3-nvme,zero3-nvme-params,ds-zero3-nvme,ds-zero3-nvme-params"
 
@@ -95,6 +109,8 @@ def _swapped(strategy) -> tuple[int, int]:
 
 def _rank(rank, world, port, results, args, row, nvme_path) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    # What a launcher sets: DeepSpeed's engine refuses to start without LOCAL_RANK.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -105,6 +121,7 @@ def _rank(rank, world, port, results, args, row, nvme_path) -> None:
         offload_optimizer=optimizer,
         offload_params=params,
         nvme_path=nvme_path if "nvme" in (optimizer, params) else None,
+        deepspeed_config=str(LEAN_DS_CONFIG) if row.endswith("-lean") else None,
     )
     # DeepSpeed builds its engine from the whole run's settings: one sequence per rank and
     # step, clipping at 1.0, as the loop below does for ours.

@@ -216,6 +216,35 @@ def test_deepspeed_gets_its_nvme_sections():
         assert zero[section] == {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": False}
 
 
+@pytest.mark.parametrize("params", ["nvme", "none"])
+def test_the_lean_nvme_ds_config_keeps_our_paths_and_sets_its_knobs(params):
+    """examples/ds_config_nvme.json (benchmarks/nvme_offload.py's -lean rows): our tiers and
+    folder fill its "auto"s; its memory knobs are DeepSpeed's to read."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "ds_config_nvme.json"
+    cfg = compose_config(
+        [
+            "output_dir=/tmp/unused",
+            "parallelism=deepspeed",
+            "parallelism.zero_stage=3",
+            "parallelism.offload_optimizer=nvme",
+            f"parallelism.offload_params={params}",
+            "parallelism.nvme_path=/local_nvme",
+            f"parallelism.deepspeed_config={example}",
+        ]
+    )
+    ds = build_ds_config(cfg, 2, resolve_precision("fp32", CPU), False, d_model=64)
+    zero = ds["zero_optimization"]
+    assert zero["offload_optimizer"] == {
+        "device": "nvme",
+        "nvme_path": "/local_nvme",
+        "pin_memory": False,
+    }
+    assert zero["sub_group_size"] == 10**8
+    assert zero["offload_param"].get("device") == ("nvme" if params == "nvme" else None)
+    assert zero["offload_param"]["max_in_cpu"] == 0
+    assert ds["optimizer"]["params"]["lr"] == cfg.optimizer.lr
+
+
 def _estimate(*overrides):
     cfg = compose_config(
         [
