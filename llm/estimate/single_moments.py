@@ -165,6 +165,6 @@ def optimizer_temporaries(cfg: Config, model: nn.Module, policy: PrecisionPolicy
         return itemsize * max((sum(x.numel() for x in g) for g in groups), default=0)
     # for-loop: a parameter's square root and quotient while the previous one's quotient
     # (its ``denom``) is still referenced
-    pairs = [(a.numel() if a is not None else 0) + 2 * x.numel() for g in groups
-             for a, x in zip([None, *g], g)]  # fmt: skip
+    sizes = [[x.numel() for x in g] for g in groups]
+    pairs = [before + 2 * n for g in sizes for before, n in zip([0, *g], g, strict=False)]
     return itemsize * max(pairs, default=0)
