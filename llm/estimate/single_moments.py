@@ -43,12 +43,11 @@ from llm.models import model_blocks
 from llm.optim import optimizer_param_groups
 from llm.precision import PrecisionPolicy
 
-STATES = ("params", "optimizer_states")
 # Gradients of the MLP's intermediates live at once in its backward, by model family.
 MLP_GRADS = {"llama": 3, "gpt2": 2}
 # Policies under which the last block is recomputed (offload: brought back) whole before its
 # backward, so it holds every tensor a block saves (``layer_none``).
-WHOLE_AGAIN = ("full", "op_sac", "op_sac_every_other_mm", "offload")
+WHOLE_AGAIN = ("full", "op_sac", "offload")
 
 
 @dataclass
@@ -75,20 +74,28 @@ def single_moments(
     if cfg.parallelism.name != "single" or world != 1 or args is None or args.moe is not None:
         return None
     persist = states["grads"] if cfg.train.grad_accum_steps > 1 else 0
-    held = {k: states[k] for k in STATES}
-    forward = {**held, "grads": persist, "activations": acts.total}
-    points = _block_points(cfg, model, policy, acts, held, persist)
+    forward = {**_states(states, persist), "activations": acts.total}
+    points = _block_points(cfg, model, policy, acts, states, persist)
     if cfg.train.fused_loss == "off":
         b, s = cfg.train.micro_batch_size, cfg.data.seq_len
         points.append({**forward, "loss_backward": 2 * b * s * args.vocab_size * F32})
-    points.append(_embedding_point(cfg, model, policy, acts, held, states["grads"]))
+    points.append(_embedding_point(cfg, model, policy, acts, states))
     backward = max(points, key=lambda rows: sum(rows.values()))
-    step = {**held, "grads": states["grads"]}
+    step = _states(states, states["grads"])
     step["optimizer_temporaries"] = optimizer_temporaries(cfg, model, policy)
     return Moments(forward, backward, step)
 
 
-def _block_points(cfg, model, policy, acts, held, persist: int) -> list[dict[str, int]]:
+def _states(states: dict[str, int], grads: int) -> dict[str, int]:
+    """The model-state rows with ``grads`` bytes of gradients."""
+    return {
+        "params": states["params"],
+        "grads": grads,
+        "optimizer_states": states["optimizer_states"],
+    }
+
+
+def _block_points(cfg, model, policy, acts, states, persist: int) -> list[dict[str, int]]:
     """Each block's MLP backward, last block first: the blocks before it keep what they
     saved, the block itself what it saved (or, recomputed, every tensor a block saves) less
     w2's input; the blocks after it are freed and have made their weight gradients."""
@@ -114,8 +121,7 @@ def _block_points(cfg, model, policy, acts, held, persist: int) -> list[dict[str
         new = tied if persist else new
         points.append(
             {
-                **held,
-                "grads": persist,
+                **_states(states, persist),
                 "activations": saved,
                 "mlp_backward": transient,
                 "weight_grads_made": p * new,
@@ -125,7 +131,7 @@ def _block_points(cfg, model, policy, acts, held, persist: int) -> list[dict[str
     return points
 
 
-def _embedding_point(cfg, model, policy, acts, held, grads: int) -> dict[str, int]:
+def _embedding_point(cfg, model, policy, acts, states) -> dict[str, int]:
     """The end of backward, at the lookup's: every gradient, the embedding output's gradient,
     a tied head's gradient waiting for the lookup's and, accumulating, the lookup's new one."""
     b, s, d = cfg.train.micro_batch_size, cfg.data.seq_len, model.args.d_model
@@ -133,8 +139,7 @@ def _embedding_point(cfg, model, policy, acts, held, grads: int) -> dict[str, in
     tied = _tied_head(model)
     lookup = _trainable(model.tok_embeddings) if cfg.train.grad_accum_steps > 1 else 0
     return {
-        **held,
-        "grads": grads,
+        **_states(states, states["grads"]),
         "activations": outside_by_stage(acts.outside)[0],
         "embedding_backward": p * (b * s * d + tied + lookup),
     }
