@@ -1,8 +1,8 @@
-"""The estimator's moments of a one-device step (llm.estimate.single_moments) against the
-peak tracker of the same configuration trained in one process (train.py's path, as
-benchmarks/gpu_pass/estimator.py ``measure`` runs it): fp32 on CPU, the third step (the
-first tracked one with optimizer states), the estimate's total within 3% of the tracker's
-peak and its largest moment the phase the tracker names."""
+"""The estimator's moments of a replica's step (llm.estimate.single_moments) against the
+peak tracker of the same configuration trained by train.py's path (in one process, as
+benchmarks/gpu_pass/estimator.py ``measure`` runs it; ddp on 2 gloo ranks): fp32 on CPU,
+the third step (the first tracked one with optimizer states), the estimate's total within
+3% of the tracker's peak and its largest moment the phase the tracker names."""
 
 from __future__ import annotations
 
@@ -64,6 +64,24 @@ def test_accumulated_gradients_exist_at_every_moment(tmp_path, text_corpus, cach
     assert est.total == pytest.approx(peak["total"], rel=GOAL), est.peak_rows
     assert est.peak_moment == peak["phase"] == "backward"
     assert est.device["grads"] == est.backward["grads"] == est.optimizer_step["grads"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_ddp_replicas_hold_every_gradient_in_their_buckets(
+    tmp_path, text_corpus, cache_dir, recompute
+):
+    """parallelism=ddp on 2 gloo ranks: DDP's gradient buckets persist from step to step
+    (gradients are views of them), so every moment holds every gradient and a new one is
+    copied in and freed, as under accumulation. The tracker counts a bucket once a gradient
+    is copied into it, which at this llama shape is before the peak (the MLP's backward);
+    at the loss's backward, the start of backward, it would miss them."""
+    extra = (*ACTIVATIONS_DOMINATE["llama"], f"recompute={recompute}")
+    extra += ("parallelism=ddp", "launcher.nproc_per_node=2")
+    peak, est = _measured_and_estimated(tmp_path, text_corpus, cache_dir, *extra)
+    assert est.total == pytest.approx(peak["total"], rel=GOAL), est.peak_rows
+    assert est.peak_moment == peak["phase"] == "backward"
+    assert est.backward["grads"] == peak["grads"] == est.device["grads"] > 0
 
 
 def _cuda_estimate(*extra):

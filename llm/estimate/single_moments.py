@@ -1,22 +1,32 @@
-"""The three moments of a step in one process (``parallelism=single`` on one device), where
-its live bytes are counted (docs/recompute.md, "The memory estimator"); the total is the
-largest. Measured with the peak tracker on CPU (tests/test_estimate_single_moments.py):
+"""The three moments of a replica's step (``parallelism=single`` on one device, and
+``parallelism=ddp`` without tensor, pipeline or expert parallel), where its live bytes are
+counted (docs/recompute.md, "The memory estimator"); the total is the largest. Measured
+with the peak tracker on CPU (tests/test_estimate_single_moments.py):
 
 - forward: the end of forward. Parameters, optimizer states and every saved activation;
-  no gradient (the Trainer zeroes them to None after each step) unless
+  no gradient on one device (the Trainer zeroes them to None after each step) unless
   ``train.grad_accum_steps > 1``, where every gradient exists from the second micro-batch.
-- backward: the larger of two points early in backward.
-  - The loss's backward: every activation still saved, and beside the log-softmax it saved
-    two fp32 tensors of the logits' size (nll_loss's gradient and log_softmax's).
-  - The last block's MLP backward: the outside terms (final norm, head input, log-softmax)
-    are freed, and so is w2's saved input once w2's backward ran; the gradients of the MLP's
-    intermediates are live (SwiGLU: w2's input, silu's output and w3's output at once; GELU:
-    w2's input and the GELU's input), beside the residual stream's gradient and the weight
-    gradients made so far (head, final norm, w2). Under full recompute and op_sac the last
-    block is recomputed whole by then, so it holds every tensor a block saves (op_sac: and
-    the w2 output its cache keeps). The point is taken at every block, last first: going
-    down frees a block's activations and adds its weight gradients, so under full
-    recompute the first block's backward is the larger.
+  Under ddp every gradient exists throughout: they are views of DDP's buckets
+  (``gradient_as_bucket_view``), which persist; a new gradient is copied into its bucket
+  and freed, as an accumulated one is added and freed.
+- backward: the largest of these points, each named by its rows.
+  - The loss's backward (``loss_backward``): every activation still saved, and beside the
+    log-softmax it saved two fp32 tensors of the logits' size (nll_loss's gradient and
+    log_softmax's).
+  - Each block's MLP backward (``mlp_backward``, ``weight_grads_made``), last block first:
+    the outside terms (final norm, head input, log-softmax) are freed, the blocks after it
+    too, and so is w2's saved input once w2's backward ran; the gradients of the MLP's
+    intermediates are live (SwiGLU: w2's input, silu's output and w3's output at once;
+    GELU: w2's input and the GELU's input), beside the residual stream's gradient and the
+    weight gradients made so far (head, final norm, later blocks, w2; where gradients
+    persist none is new, except a tied head's, which waits for the lookup's). Under full
+    recompute and op_sac the block is recomputed whole by then, so it holds every tensor a
+    block saves (op_sac: and the w2 output its cache keeps, which the recompute never
+    reaches). Going down frees a block's activations and adds its weight gradients, so
+    without recompute the last block is the larger and under full recompute the first.
+  - The lookup's backward at the end (``embedding_backward``): every gradient, the
+    embedding output's gradient and a tied head's waiting for the lookup's (where
+    gradients persist, the lookup's new one too).
 - optimizer_step: parameters, gradients, states and the optimizer's temporaries. torch's
   fused AdamW makes none; its foreach AdamW (``optimizer.fused=false`` on CUDA) one tensor
   of each parameter's size per param group (``_foreach_sqrt`` of exp_avg_sq); its for-loop
@@ -27,8 +37,10 @@ largest. Measured with the peak tracker on CPU (tests/test_estimate_single_momen
 Weight gradients are in the parameter dtype (fp32 under autocast), the loss's in fp32 (the
 Trainer upcasts the logits: llm/train/trainer.py ``_cross_entropy_sum``), the MLP's in the
 compute dtype. ``train.fused_loss`` never holds the logits, so the loss's backward point is
-left out there. MoE blocks, ddp (whose gradient buckets persist) and every sharded layout
-keep their rows as before (llm.estimate.backward_peak).
+left out there. MoE blocks and every other layout keep their rows as before
+(llm.estimate.backward_peak for sharded ones). Under ddp, the comm hook's copy of a bucket
+in another reduce dtype is not counted (it is made only when the reduce dtype differs from
+the gradients').
 """
 
 from __future__ import annotations
@@ -67,23 +79,34 @@ def single_moments(
     states: dict[str, int],
     world: int,
 ) -> Moments | None:
-    """The moments of a one-device step from its model ``states`` (params, grads,
+    """The moments of a replica's step from its model ``states`` (params, grads,
     optimizer_states as a step leaves them) and ``acts``; None where this module has no
     model of them (see the module's docstring)."""
-    args = getattr(model, "args", None)
-    if cfg.parallelism.name != "single" or world != 1 or args is None or args.moe is not None:
+    if not _replica(cfg, model, world):
         return None
-    persist = states["grads"] if cfg.train.grad_accum_steps > 1 else 0
+    args = model.args
+    ddp = cfg.parallelism.name == "ddp"
+    persist = states["grads"] if ddp or cfg.train.grad_accum_steps > 1 else 0
     forward = {**_states(states, persist), "activations": acts.total}
     points = _block_points(cfg, model, policy, acts, states, persist)
     if cfg.train.fused_loss == "off":
         b, s = cfg.train.micro_batch_size, cfg.data.seq_len
         points.append({**forward, "loss_backward": 2 * b * s * args.vocab_size * F32})
-    points.append(_embedding_point(cfg, model, policy, acts, states))
+    points.append(_embedding_point(cfg, model, policy, acts, states, persist))
     backward = max(points, key=lambda rows: sum(rows.values()))
     step = _states(states, states["grads"])
     step["optimizer_temporaries"] = optimizer_temporaries(cfg, model, policy)
     return Moments(forward, backward, step)
+
+
+def _replica(cfg: Config, model: nn.Module, world: int) -> bool:
+    """One device, or ddp's whole replicas of a dense model."""
+    par, args = cfg.parallelism, getattr(model, "args", None)
+    if args is None or args.moe is not None:
+        return False
+    if par.name == "single":
+        return world == 1
+    return par.name == "ddp" and par.tp_size == par.pp_size == par.ep_size == 1
 
 
 def _states(states: dict[str, int], grads: int) -> dict[str, int]:
@@ -131,13 +154,14 @@ def _block_points(cfg, model, policy, acts, states, persist: int) -> list[dict[s
     return points
 
 
-def _embedding_point(cfg, model, policy, acts, states) -> dict[str, int]:
+def _embedding_point(cfg, model, policy, acts, states, persist: int) -> dict[str, int]:
     """The end of backward, at the lookup's: every gradient, the embedding output's gradient,
-    a tied head's gradient waiting for the lookup's and, accumulating, the lookup's new one."""
+    a tied head's gradient waiting for the lookup's and, where gradients persist, the
+    lookup's new one."""
     b, s, d = cfg.train.micro_batch_size, cfg.data.seq_len, model.args.d_model
     p = policy.param_dtype.itemsize
     tied = _tied_head(model)
-    lookup = _trainable(model.tok_embeddings) if cfg.train.grad_accum_steps > 1 else 0
+    lookup = _trainable(model.tok_embeddings) if persist else 0
     return {
         **_states(states, states["grads"]),
         "activations": outside_by_stage(acts.outside)[0],
