@@ -43,9 +43,9 @@ RECOMPUTE_EXTRA_FORWARD = {"none": 0.0, "full": 1.0}
 class Estimate:
     """Per-rank bytes by row (device), what offload moves to host, and the step's payload.
     ``device`` holds the rows at the end of forward; ``backward`` those at the backward
-    moment where a sharded layout (llm.estimate.backward_peak) or one device
-    (llm.estimate.single_moments) has one; ``optimizer_step`` those during the optimizer
-    step on one device. ``total`` is the largest moment's. Under pipeline parallel the rows
+    moment where a sharded layout (llm.estimate.backward_peak) or a replica (one device, ddp:
+    llm.estimate.single_moments) has one; ``optimizer_step`` a replica's during the
+    optimizer step. ``total`` is the largest moment's. Under pipeline parallel the rows
     are those of the pipeline rank with the largest total (``rank``, the one that sets the
     peak) and ``stages`` lists every pipeline rank's."""
 
@@ -68,8 +68,11 @@ class Estimate:
     @property
     def moments(self) -> dict[str, dict[str, int]]:
         """The rows of each moment the estimate has, in the step's order."""
-        named = {"forward": self.device, "backward": self.backward}
-        named["optimizer_step"] = self.optimizer_step
+        named = {
+            "forward": self.device,
+            "backward": self.backward,
+            "optimizer_step": self.optimizer_step,
+        }
         return {name: rows for name, rows in named.items() if rows is not None}
 
     @property
