@@ -57,8 +57,8 @@ from llm.precision import PrecisionPolicy
 
 # Gradients of the MLP's intermediates live at once in its backward, by model family.
 MLP_GRADS = {"llama": 3, "gpt2": 2}
-# Policies under which the last block is recomputed (offload: brought back) whole before its
-# backward, so it holds every tensor a block saves (``layer_none``).
+# Policies under which a block is recomputed whole before its backward (offload: brought
+# back; not measured), so it holds every tensor a block saves (``layer_none``).
 WHOLE_AGAIN = ("full", "op_sac", "offload")
 
 
@@ -138,10 +138,10 @@ def _block_points(cfg, model, policy, acts, states, persist: int) -> list[dict[s
     for i in reversed(range(len(blocks))):
         again = whole + unreached if cfg.recompute.name in WHOLE_AGAIN else kept[i]
         saved = lookups + sum(kept[:i]) + again - acts.layer_none.get("mlp.w2_input", 0)
-        new = made + _trainable(blocks[i].feed_forward.w2)
-        # Accumulating, each gradient is added into the one that exists and freed, except
-        # the tied head's, which waits for the lookup's at the end of backward.
-        new = tied if persist else new
+        # Where gradients persist (accumulation, ddp's buckets) each new one is added or
+        # copied into its gradient and freed, except the tied head's, which waits for the
+        # lookup's at the end of backward.
+        new = tied if persist else made + _trainable(blocks[i].feed_forward.w2)
         points.append(
             {
                 **_states(states, persist),
