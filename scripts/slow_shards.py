@@ -79,6 +79,7 @@ SHARDS = {
         "tests/test_bf16_parity.py",
         "tests/test_triton_compile.py",
         "tests/test_estimate.py",
+        "tests/test_estimate_single_moments.py",
         "tests/test_experiments.py",
         "tests/test_attention_backends.py",
         "tests/test_recompute.py",

@@ -83,12 +83,12 @@ def test_fsdp_backward_holds_four_unsharded_blocks_and_one_block_of_gradient_sha
     [
         ["parallelism=fsdp", "parallelism.reshard_after_forward=false"],
         ["parallelism=zero2"],
-        ["parallelism=single"],
     ],
 )
 def test_layouts_without_a_backward_moment_keep_the_forward_total(overrides):
-    """Unsharded parameters (FSDP2 without resharding, ZeRO 1-2, one device) have no
-    second moment: the total is the end-of-forward rows', as before."""
-    est, _ = _estimate(*overrides, world=1 if "parallelism=single" in overrides else 4)
+    """Unsharded parameters over several ranks (FSDP2 without resharding, ZeRO 1-2) have no
+    second moment: the total is the end-of-forward rows', as before. One device has its
+    own moments (tests/test_estimate_single_moments.py)."""
+    est, _ = _estimate(*overrides, world=4)
     assert est.backward is None
     assert est.total == sum(est.device.values())

@@ -10,6 +10,9 @@ Which file answers what:
   tp_terms.py        which activation terms tensor parallel divides
   stages.py          pipeline stages: in-flight activations and kept stage outputs
   gathered.py        FSDP2's gathered weights that autograd saves
+  backward_peak.py   zero3 and fsdp: the rank's rows early in backward
+  single_moments.py  one device: the rows at the end of forward, in backward, in the
+                     optimizer step
   deepspeed_own.py   DeepSpeed's own model-state estimators, beside ours
   plan.py, layout.py, layout_estimate.py, schedule_steps.py, cluster.py
                      the plan: dp x tp x pp x ep x ZeRO x recompute layouts, their time

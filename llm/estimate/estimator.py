@@ -14,6 +14,7 @@ from llm.errors import ConfigError
 from llm.estimate.activations import estimate_activations, outside_by_stage
 from llm.estimate.backward_peak import backward_rows
 from llm.estimate.gathered import gathered_saved_bytes
+from llm.estimate.single_moments import single_moments
 from llm.estimate.stages import (
     StageShape,
     held_at_peak,
@@ -42,9 +43,11 @@ RECOMPUTE_EXTRA_FORWARD = {"none": 0.0, "full": 1.0}
 class Estimate:
     """Per-rank bytes by row (device), what offload moves to host, and the step's payload.
     ``device`` holds the rows at the end of forward; ``backward`` those at the backward
-    moment where a sharded layout has one (llm.estimate.backward_peak), and ``total`` is the
-    larger of the two moments. Under pipeline parallel the rows are those of the pipeline rank with the largest total
-    (``rank``, the one that sets the peak) and ``stages`` lists every pipeline rank's."""
+    moment where a sharded layout (llm.estimate.backward_peak) or a replica (one device, ddp:
+    llm.estimate.single_moments) has one; ``optimizer_step`` a replica's during the
+    optimizer step. ``total`` is the largest moment's. Under pipeline parallel the rows
+    are those of the pipeline rank with the largest total (``rank``, the one that sets the
+    peak) and ``stages`` lists every pipeline rank's."""
 
     device: dict[str, int]
     host: dict[str, int]
@@ -56,17 +59,31 @@ class Estimate:
     stages: list[StageRows] | None = None
     disk: dict[str, int] = dataclasses.field(default_factory=dict)  # in nvme files
     backward: dict[str, int] | None = None
+    optimizer_step: dict[str, int] | None = None
 
     @property
     def total(self) -> int:
         return sum(self.peak_rows.values())
 
     @property
+    def moments(self) -> dict[str, dict[str, int]]:
+        """The rows of each moment the estimate has, in the step's order."""
+        named = {
+            "forward": self.device,
+            "backward": self.backward,
+            "optimizer_step": self.optimizer_step,
+        }
+        return {name: rows for name, rows in named.items() if rows is not None}
+
+    @property
+    def peak_moment(self) -> str:
+        """The moment with the largest total (the earliest of equals)."""
+        moments = self.moments
+        return max(moments, key=lambda name: sum(moments[name].values()))
+
+    @property
     def peak_rows(self) -> dict[str, int]:
-        """The rows of the moment with the larger total (the end of forward on equals)."""
-        if self.backward is None or sum(self.backward.values()) <= sum(self.device.values()):
-            return self.device
-        return self.backward
+        return self.moments[self.peak_moment]
 
     @property
     def fits(self) -> bool:
@@ -78,6 +95,8 @@ class Estimate:
             "rank": self.rank,
             "device_bytes": self.device,
             "backward_bytes": self.backward,
+            "optimizer_step_bytes": self.optimizer_step,
+            "peak_moment": self.peak_moment,
             "host_bytes": self.host,
             "nvme_bytes": self.disk,
             "total_bytes": self.total,
@@ -197,6 +216,10 @@ def estimate(cfg: Config, args) -> Estimate:
     n = sum(p.numel() for p in model.parameters())
     est = _assemble(cfg, states, acts, n, policy, world)
     est.backward = backward_rows(model, par, policy, est.device, world)
+    moments = single_moments(cfg, model, policy, acts, est.device, world)
+    if moments is not None:
+        est.device, est.backward = moments.forward, moments.backward
+        est.optimizer_step = moments.optimizer_step
     return est
 
 

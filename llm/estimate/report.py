@@ -16,6 +16,9 @@ SHORT = {
     "gathered_weights": "gathered",
 }
 
+# The table's title names the moment its rows are, when it is not the end of forward.
+PEAK_AT = {"backward": "peak early in backward", "optimizer_step": "peak in the optimizer step"}
+
 
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -40,8 +43,8 @@ def estimate_table(est: Estimate, title: str) -> Table:
     for name in names:
         table.add_column(name, justify="left" if name == per_rank else "right")
     blank = ("",) * (len(names) - 3)
-    if est.peak_rows is est.backward:  # the rows shown are the moment the total is
-        table.title = f"{title} (peak early in backward)"
+    if est.peak_moment != "forward":  # the rows shown are the moment the total is
+        table.title = f"{title} ({PEAK_AT[est.peak_moment]})"
     for row, value in est.peak_rows.items():
         elsewhere = [est.host.get(row, 0)] + ([est.disk.get(row, 0)] if est.disk else [])
         table.add_row(row, f"{value:,}", human(value), *(human(n) if n else "" for n in elsewhere))

@@ -11,7 +11,7 @@ import torch
 from llm.build import model_args_for, resolve_device, tokenizer_vocab_size
 from llm.config import Config
 from llm.estimate.estimator import GIB, estimate
-from llm.estimate.report import human, largest_stage
+from llm.estimate.report import PEAK_AT, human, largest_stage
 from llm.logging import say
 
 
@@ -21,8 +21,9 @@ def _rows(device: dict[str, int]) -> str:
 
 
 def announce_estimate(cfg: Config, world: int) -> None:
-    """One line of per-rank bytes (under pipeline parallel one per stage, and which sets the
-    peak); on CUDA, a warning when the largest total passes the device's."""
+    """One line of per-rank bytes at the moment of the step that sets the peak (under
+    pipeline parallel one per stage, and which sets the peak); on CUDA, a warning when the
+    largest total passes the device's."""
     device = resolve_device(cfg)
     est_cfg = dataclasses.replace(cfg.estimate, device=device.type, nodes=1, gpus_per_node=world)
     if device.type == "cuda":
@@ -31,7 +32,8 @@ def announce_estimate(cfg: Config, world: int) -> None:
     run = dataclasses.replace(cfg, estimate=est_cfg)
     est = estimate(run, model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg)))
     if est.stages is None:
-        say(f"estimate per rank: {_rows(est.device)} (python -m llm.estimate)", stdout=True)
+        at = f" ({PEAK_AT[est.peak_moment]})" if est.peak_moment in PEAK_AT else ""
+        say(f"estimate per rank: {_rows(est.peak_rows)}{at} (python -m llm.estimate)", stdout=True)
     else:
         for stage in est.stages:
             name = f"pipeline stage {stage.pp_rank} (rank {stage.rank})"
