@@ -3,7 +3,9 @@ sweep, then write its report. `... run NAME scale=gpu [part=P] --out DIR [--resu
 record each finished job in DIR, run only the jobs missing there, write the report from the
 records (experiments/resume.py). `python -m experiments report SWEEP_DIR`: (re)write the
 report of a sweep. `python -m experiments publish SWEEP_DIR`: copy its report.md and PNGs to
-docs/experiments/<config>/. `python -m experiments list`: the experiments and their scales."""
+docs/experiments/<config>/. `python -m experiments list`: the experiments and their scales;
+`... list --gpu`: each GPU part's command, the claims it feeds and the records so far
+(experiments/gpu_plan.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from experiments import gpu_plan
+from experiments.parts import part_overrides
 from experiments.report import EXPERIMENTS, experiment_module, publish, write_report
 from experiments.resume import refuse_too_few_gpus, run_recorded
 from experiments.runner import (
@@ -62,10 +66,17 @@ def _parser() -> argparse.ArgumentParser:
     pub.add_argument("sweep_dir")
     names = sub.add_parser("list", help="the experiments and their scales")
     names.add_argument("--names", action="store_true", help="names only, one a line")
+    names.add_argument(
+        "--gpu",
+        action="store_true",
+        help="each experiment's GPU parts: the command of each, the claims it feeds, the "
+        "records committed so far and, where several GPUs are needed, how many",
+    )
     return parser
 
 
-def _run(name: str, args: list[str], out: Path | None = None, resume: Path | None = None):
+def split_args(args: list[str]) -> tuple[str, str | None, list[str]]:
+    """``run``'s words after the name: (scale, part, the train.py overrides)."""
     scale, part = "small", None
     overrides = []
     for o in args:
@@ -75,10 +86,15 @@ def _run(name: str, args: list[str], out: Path | None = None, resume: Path | Non
             part = o.split("=", 1)[1]
         else:
             overrides.append(o)
+    return scale, part, overrides
+
+
+def _run(name: str, args: list[str], out: Path | None = None, resume: Path | None = None):
+    scale, part, overrides = split_args(args)
     if name not in EXPERIMENTS:
         raise ConfigError(f"no experiment named {name}; choose one of {', '.join(EXPERIMENTS)}")
     config = config_name(name, scale)
-    refuse_too_few_gpus(config, overrides)
+    refuse_too_few_gpus(config, [*part_overrides(config, part), *overrides])
     if out is not None or resume is not None:
         return run_recorded(config, overrides, out or resume, resume, part)
     if part is not None:
@@ -93,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     interrupted = False
     try:
+        if a.command == "list" and a.gpu:
+            for name in EXPERIMENTS:
+                print("\n".join(gpu_plan.lines(name)))
+            return 0
         if a.command == "list":
             for name in EXPERIMENTS:
                 print(name if a.names else f"{name}: {', '.join(scales_of(name))}")

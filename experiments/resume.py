@@ -17,6 +17,7 @@ from pathlib import Path
 
 from benchmarks.gpu_pass import provenance
 from experiments import records
+from experiments.gpu_plan import multi_gpu_commands
 from experiments.parts import FOLLOW_UPS, gpus_needed, part_overrides, parts_of
 from experiments.report import experiment_module
 from experiments.runner import REPO, SweepInterrupted, expand, run_sweep, sweep_params
@@ -42,8 +43,9 @@ def run_in_hydra(config: str, job: list[str], scratch: Path) -> Path:
 
 def refuse_too_few_gpus(config: str, overrides: list[str], have: int | None = None) -> None:
     """An experiment that needs several GPUs (``# needs GPUS:`` in its config) is refused
-    on a machine with fewer, with the commands for 4 and 8 GPUs: one rank stands in for
-    none of its claims."""
+    on a machine with fewer, with the commands for each GPU count the config names
+    (experiments/gpu_plan.py): one rank stands in for none of its claims. ``overrides``
+    include the part's."""
     counts = gpus_needed(config)
     if not counts:
         return
@@ -55,11 +57,11 @@ def refuse_too_few_gpus(config: str, overrides: list[str], have: int | None = No
         have = torch.cuda.device_count()
     if have >= need:
         return
-    name = config.removesuffix("_gpu")
+    commands = multi_gpu_commands(config.removesuffix("_gpu"))
+    on = [f"on {n} GPUs: {cmds}" for n, cmds in commands.items()]
     raise ConfigError(
-        f"{config} needs {need} GPUs (one rank per GPU) and this machine has {have}; on 4 "
-        f"GPUs: python -m experiments run {name} scale=gpu launcher.nproc_per_node=4 --out "
-        f"DIR, on 8: the same with launcher.nproc_per_node=8"
+        f"{config} needs {need} GPUs (one rank per GPU) and this machine has {have}; "
+        + ", ".join(on)
     )
 
 
