@@ -2,7 +2,8 @@
 --gpu``. Each step is one part of the sweep (``# part`` lines of the ``_gpu`` config; the
 whole sweep where it has none, then ``part=follow_ups`` where the experiment grows its
 sweep), recorded into the committed folder ``docs/experiments/<config>/`` that ``publish``
-writes, with ``--resume`` once that folder holds a plan. A config with ``# needs GPUS:``
+writes, with ``--resume`` once that folder holds a plan, and ``logger=none`` as
+scripts/gpu_session.sh runs them (the overrides name the jobs a records folder plans). A config with ``# needs GPUS:``
 gives each step the GPUs it needs: its part's ``launcher.nproc_per_node``, else the most
 the config names."""
 
@@ -36,7 +37,8 @@ def command(name: str, part: str | None, resume: bool) -> str:
     out = records_folder(config_name(name, "gpu"))
     words = ["python -m experiments run", name, "scale=gpu"]
     words += [f"part={part}"] if part else []
-    words += ["--out", out] + (["--resume", out] if resume else [])
+    # a job's overrides name it in the records: logger=none as scripts/gpu_session.sh runs it
+    words += ["logger=none", "--out", out] + (["--resume", out] if resume else [])
     return " ".join(words)
 
 

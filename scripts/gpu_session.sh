@@ -18,7 +18,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1
 python3 -m benchmarks.gpu_pass --only speed,nccl,estimator --limit speed=240 --limit nccl=90 \
     --limit estimator=60 --out "$out/pass"
+# GPU_PART=P runs one part (`python -m experiments list --gpu` lists them); the committed
+# records folder, where there is one, is resumed, so each session adds the jobs still missing.
 experiment=${GPU_EXPERIMENT:-activation_recompute}
-timeout 120 python3 -m experiments run "$experiment" scale=gpu logger=none \
-    --out "/tmp/experiments/${experiment}_gpu"
+part=${GPU_PART:+part=$GPU_PART}
+records=docs/experiments/${experiment}_gpu
+resume=()
+[ -f "$records/plan.json" ] && resume=(--resume "$records")
+timeout 120 python3 -m experiments run "$experiment" scale=gpu $part logger=none \
+    --out "/tmp/experiments/${experiment}_gpu" ${resume[@]+"${resume[@]}"}
 tar czf "$out/experiments.tgz" -C /tmp/experiments .
