@@ -18,7 +18,7 @@ from experiments.__main__ import _parser, main, split_args
 from experiments.parts import gpus_needed, part_overrides, parts_of
 from experiments.report import EXPERIMENTS
 from experiments.resume import refuse_too_few_gpus
-from experiments.runner import compose_jobs, config_name, sweep_jobs
+from experiments.runner import REPO, compose_jobs, config_name, sweep_jobs
 from llm.config import to_dataclass
 from llm.errors import ConfigError
 from llm.validate import validate
@@ -98,3 +98,18 @@ def test_committed_records_are_counted_and_resumed_from(tmp_path):
     assert "1 of 2 planned jobs recorded" in gpu_plan.recorded(config, docs=tmp_path)
     command = gpu_plan.steps("flash_attention", docs=tmp_path)[0].command
     assert command.endswith(f"--out docs/experiments/{config} --resume docs/experiments/{config}")
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_the_docs_gpu_report_line_says_what_to_run(name):
+    """docs/experiments.md: each experiment's "GPU report" paragraph gives its reason and the
+    command into the records folder, naming every part, as the listing does."""
+    text = (REPO / "docs" / "experiments.md").read_text()
+    section = text.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0]
+    report = " ".join(section.split("GPU report: ", 1)[1].split("\n\n", 1)[0].split())
+    config = config_name(name, "gpu")
+    assert report.startswith("pending, ")
+    assert "scale=gpu" in report and f"logger=none --out docs/experiments/{config}" in report
+    assert f"--resume docs/experiments/{config}" in report
+    for part in parts_of(config):
+        assert re.search(rf"(part=|P = |, | and ){part}\b", report), f"{name}: part {part}"
