@@ -1,11 +1,11 @@
 """What a reader runs to advance an experiment's GPU scale: ``python -m experiments list
---gpu``. Each step is one part of the sweep (``# part`` lines of the ``_gpu`` config; the
-whole sweep where it has none, then ``part=follow_ups`` where the experiment grows its
-sweep), recorded into the committed folder ``docs/experiments/<config>/`` that ``publish``
-writes, with ``--resume`` once that folder holds a plan, and ``logger=none`` as
-scripts/gpu_session.sh runs them (the overrides name the jobs a records folder plans). A config with ``# needs GPUS:``
-gives each step the GPUs it needs: its part's ``launcher.nproc_per_node``, else the most
-the config names."""
+--gpu``. Each step is one part of the sweep (the ``# part`` lines of its ``_gpu`` config;
+the whole sweep where it has none), then ``part=follow_ups`` where the experiment grows its
+sweep. Each command records into the committed folder ``docs/experiments/<config>/`` that
+``publish`` writes, with ``--resume`` once that folder holds a plan, and with
+``logger=none`` as scripts/gpu_session.sh runs it: a job's overrides name it in the plan,
+so the two must agree. A config with ``# needs GPUS:`` gives each step the GPUs it needs
+(``parts.gpus_for``)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments import records
-from experiments.parts import FOLLOW_UPS, claim_parts_of, gpus_needed, parts_of
+from experiments.parts import FOLLOW_UPS, claim_parts_of, gpus_for, gpus_needed, parts_of
 from experiments.report import DOCS, experiment_module
 from experiments.runner import config_name
-
-NPROC = "launcher.nproc_per_node"
 
 
 @dataclass(frozen=True)
@@ -42,14 +40,6 @@ def command(name: str, part: str | None, resume: bool) -> str:
     return " ".join(words)
 
 
-def _gpus(config: str, narrowing: list[str]) -> int:
-    counts = gpus_needed(config)
-    if not counts:
-        return 1
-    asked = [o.split("=", 1)[1] for o in narrowing if o.split("=", 1)[0] == NPROC]
-    return max(int(n) for n in asked[-1].split(",")) if asked else max(counts)
-
-
 def steps(name: str, docs: Path = DOCS) -> list[Step]:
     """The parts of ``name``'s GPU scale in the order to run them, each with its command."""
     config = config_name(name, "gpu")
@@ -58,19 +48,18 @@ def steps(name: str, docs: Path = DOCS) -> list[Step]:
     needs = claim_parts_of(config)
     parts = parts_of(config)
     if not parts:
-        return [Step(None, command(name, None, resume), (), _gpus(config, []))]
+        return [Step(None, command(name, None, resume), (), gpus_for(config, []))]
     found = [
         Step(
             part,
             command(name, part, resume),
             tuple(k for k, ps in needs.items() if part in ps),
-            _gpus(config, narrowing),
+            gpus_for(config, narrowing),
         )
         for part, narrowing in parts.items()
     ]
-    last = FOLLOW_UPS if hasattr(module, "follow_up") else None
-    if last:
-        found.append(Step(last, command(name, last, resume), (), _gpus(config, [])))
+    if hasattr(module, "follow_up"):
+        found.append(Step(FOLLOW_UPS, command(name, FOLLOW_UPS, resume), (), gpus_for(config, [])))
     return found
 
 

@@ -41,6 +41,21 @@ def gpus_needed(config: str, conf: Path = CONF) -> list[int]:
     return [int(n) for n in found[0]] if found else []
 
 
+def gpus_for(config: str, overrides: list[str], conf: Path = CONF) -> int:
+    """The GPUs a run of ``config`` with ``overrides`` (a part's included) needs: its
+    ``launcher.nproc_per_node`` where given, else the most the config names (1 where it
+    names none)."""
+    counts = gpus_needed(config, conf)
+    if not counts:
+        return 1
+    asked = [o.split("=", 1)[1] for o in overrides if _key(o) == "launcher.nproc_per_node"]
+    return max(int(n) for n in asked[-1].split(",")) if asked else max(counts)
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def scale_notes(config: str, conf: Path = CONF) -> list[str]:
     """The opening comment block, less the ``# @package`` line and the part lines."""
     notes = []

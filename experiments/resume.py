@@ -18,7 +18,7 @@ from pathlib import Path
 from benchmarks.gpu_pass import provenance
 from experiments import records
 from experiments.gpu_plan import multi_gpu_commands
-from experiments.parts import FOLLOW_UPS, gpus_needed, part_overrides, parts_of
+from experiments.parts import FOLLOW_UPS, gpus_for, gpus_needed, part_overrides, parts_of
 from experiments.report import experiment_module
 from experiments.runner import REPO, SweepInterrupted, expand, run_sweep, sweep_params
 from experiments.sweep import FOLLOW_UP, load_job, load_jobs
@@ -46,11 +46,9 @@ def refuse_too_few_gpus(config: str, overrides: list[str], have: int | None = No
     on a machine with fewer, with the commands for each GPU count the config names
     (experiments/gpu_plan.py): one rank stands in for none of its claims. ``overrides``
     include the part's."""
-    counts = gpus_needed(config)
-    if not counts:
+    if not gpus_needed(config):
         return
-    asked = [o.split("=", 1)[1] for o in overrides if _key(o) == "launcher.nproc_per_node"]
-    need = max(int(n) for n in asked[-1].split(",")) if asked else max(counts)
+    need = gpus_for(config, overrides)
     if have is None:
         import torch
 
