@@ -15,10 +15,10 @@ import pytest
 
 from experiments import gpu_plan, records
 from experiments.__main__ import _parser, main, split_args
-from experiments.parts import gpus_needed, part_overrides, parts_of
+from experiments.parts import FOLLOW_UPS, gpus_needed, part_overrides, parts_of
 from experiments.report import EXPERIMENTS
 from experiments.resume import refuse_too_few_gpus
-from experiments.runner import REPO, compose_jobs, config_name, sweep_jobs
+from experiments.runner import REPO, compose_jobs, config_name, expand, sweep_jobs, sweep_params
 from llm.config import to_dataclass
 from llm.errors import ConfigError
 from llm.validate import validate
@@ -113,3 +113,19 @@ def test_the_docs_gpu_report_line_says_what_to_run(name):
     assert f"--resume docs/experiments/{config}" in report
     for part in parts_of(config):
         assert re.search(rf"(part=|P = |, | and ){part}\b", report), f"{name}: part {part}"
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if parts_of(config_name(n, "gpu"))])
+def test_the_listed_parts_cover_every_job_of_the_sweep(name):
+    """Running each listed part runs the whole sweep: no job sits outside every part (an
+    experiment without parts lists the whole sweep)."""
+    config = config_name(name, "gpu")
+    params = sweep_params(config)
+    every = {records.identity(j) for j in expand(params)}
+    covered = set()
+    for step in gpu_plan.steps(name):
+        if step.part != FOLLOW_UPS:
+            covered |= {
+                records.identity(j) for j in expand(params, part_overrides(config, step.part))
+            }
+    assert covered == every
