@@ -249,7 +249,8 @@ def _launch(cfg: Config, record: dict[str, str] | None) -> dict:
 def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | None = None) -> dict:
     """Run ``rank_main`` (llm.run.main; tests pass a stand-in, importable by name) on ``n``
     spawned ranks and return rank 0's summary. Forwards SIGTERM and SIGINT to the ranks as
-    SIGTERM and waits for them; a failed rank is reported by its own line."""
+    SIGTERM and waits for them; a failed rank is reported by its own line. Any other
+    exception while waiting kills the ranks before it propagates."""
     # A fresh port per job: under -m, consecutive jobs in one process must not collide.
     port = cfg.launcher.master_port or free_port()
     errors = Path(cfg.output_dir) / ERRORS_DIR
@@ -301,6 +302,12 @@ def _spawn(cfg: Config, n: int, rank_main: Callable[[Config, RankEnv], dict] | N
             failure = rank_failure(errors, exc.error_index, exc.exit_code, exc.signal_name)
             message = f"{message}; while stopping, {failure}"
         raise Interrupted(message, exit_code(name)) from None
+    except BaseException:
+        # Anything else that ends the wait (the caller's timeout, an error here) would leave
+        # the ranks training on their own, holding their memory: end them first.
+        for context in contexts:
+            _forward(context, signal.SIGKILL)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -190,6 +190,45 @@ def test_sigterm_while_ranks_start_reaches_them(tmp_path, monkeypatch):
     assert time.monotonic() - began < 60  # the stub alone would wait 120 s for a signal
 
 
+def test_an_exception_while_waiting_ends_the_ranks(tmp_path):
+    """A caller's timeout (pytest-timeout's alarm, say) raised while the launcher waits must
+    not leave the ranks running on their own: they are killed before it propagates."""
+    import rank_stubs
+    import torch.multiprocessing as mp
+
+    from llm.launch.launcher import _spawn
+
+    class CallerTimeout(Exception):
+        pass
+
+    def alarm(signum, frame):
+        raise CallerTimeout
+
+    started = []
+    start = mp.start_processes
+
+    def record(*args, **kwargs):
+        context = start(*args, **kwargs)
+        started.append(context)
+        return context
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mp, "start_processes", record)
+            signal.alarm(5)  # the stubs wait 120 s for a SIGTERM
+            with pytest.raises(CallerTimeout):
+                _spawn(stub_config(tmp_path), 2, rank_stubs.slow_to_stop)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    processes = started[0].processes
+    for process in processes:
+        process.join(timeout=30)
+    assert [p.is_alive() for p in processes] == [False, False]
+    assert all(p.exitcode == -signal.SIGKILL for p in processes)
+
+
 def test_ctrl_c_on_one_rank_ends_the_same_way(tmp_path, text_corpus, cache_dir, monkeypatch):
     """stopped: interrupted (Ctrl-C) before any checkpoint was written; nothing to resume"""
     from llm import run
