@@ -47,7 +47,7 @@ after the timing pass's steps.
 
 DeepSpeed's all-to-all bytes follow from its capacity alone: per MoE layer and step, the
 dispatch and combine buffers (E x C x d elements) cross the ep group forward and again
-backward over the ep group, (ep - 1) / ep of each leaving the rank:
+backward, (ep - 1) / ep of each leaving the rank:
 ``4 x (ep - 1) / ep x E x C x d x element size`` (:func:`deepspeed_a2a_bytes`). Ours moves the
 rows that leave their rank, ``2 x (S_out + R_in) x d x element size`` per layer and rank
 (docs/parallel.md): routing-dependent.

@@ -309,7 +309,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--moe-ep",
         default="",
         help="the MoE table's expert-parallel sizes, comma-separated, each run at every --ranks\n"
-        "count it divides into (edp = ranks / ep); default: ep = ranks",
+        "count, each of which it must divide (edp = ranks / ep); default: ep = ranks",
     )
     p.add_argument("--moe-model", default="moe-tiny", help="the MoE table's model (moe-tiny)")
     p.add_argument("--moe-seq-len", type=int, default=256, help="the MoE table's seq len (256)")
