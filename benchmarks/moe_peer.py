@@ -5,16 +5,20 @@ ep_size) under DeepSpeed's ZeRO-2. ``benchmarks/strategies.py --moe-peer`` print
 "MoE: ours vs DeepSpeed-MoE"; this file alone runs that table only:
 
     python benchmarks/moe_peer.py --ranks 2,4               # = strategies.py --moe-peer, no other rows
+    python benchmarks/moe_peer.py --ranks 4 --moe-ep 2,4    # 4 ranks at ep 2 (edp 2) and ep 4
     python benchmarks/strategies.py --ranks 2 --moe-peer    # the strategy rows, then this table
 
 CPU ranks (gloo) in fp32 only: strategies.py refuses --moe-peer with another device or
-precision. Rows per rank count N (expert-parallel size N: every rank holds E / N experts):
-- ours: ``train.py model=moe-tiny parallelism=zero2 parallelism.ep_size=N`` through the
+precision. Rows per rank count N and expert-parallel size ep (--moe-ep, default ep = N): every
+rank holds E / ep experts, and the edp = N / ep ranks that hold the same experts shard their
+optimizer state (ours: zero2's second set of buckets; DeepSpeed: its expert param groups'
+partitions over its expert data-parallel group):
+- ours: ``train.py model=moe-tiny parallelism=zero2 parallelism.ep_size=ep`` through the
   strategies table's own job runner, benchmarks/strategy_runs.py (a timing pass, then a
   measuring pass with parallelism.count_comm and the peak tracker on every step).
 - deepspeed-moe: the same Transformer (llm.models, the same seeded init) whose blocks'
   ``feed_forward`` is a :class:`DeepSpeedFeedForward`: DeepSpeed's MoE(hidden_size=d_model,
-  expert=a SwiGLU of width d_expert, num_experts=E, ep_size=N, k=top_k, use_residual=False,
+  expert=a SwiGLU of width d_expert, num_experts=E, ep_size=ep, k=top_k, use_residual=False,
   top2_2nd_expert_sampling=False), its gate and experts loaded with our init's router and
   expert weights (so step 1 computes the same forward), its l_aux times our aux_loss_coef
   added to the loss; trained by ``deepspeed.initialize`` (ZeRO stage 2, fp32, the ds_config
@@ -37,13 +41,14 @@ bytes per step per rank (ours: the exchange's own count; DeepSpeed: every
 ``torch.distributed.all_to_all_single`` during the measured steps, counted by a wrapper as the
 input bytes that go to other ranks); each rank's peak of live tensor bytes in a step (the peak
 tracker, llm/memory/peak.py, every step, params / grads / optimizer states classified by the
-same state_tensors() our parallelism=deepspeed rows use); the training loss at step 1 and after
-the timing pass's steps.
+same state_tensors() our parallelism=deepspeed rows use), its optimizer-state bytes beside what
+the edp sharding should leave (benchmarks/moe_peer_table.py); the training loss at step 1 and
+after the timing pass's steps.
 
 DeepSpeed's all-to-all bytes follow from its capacity alone: per MoE layer and step, the
 dispatch and combine buffers (E x C x d elements) cross the ep group forward and again
-backward, (N - 1) / N of each leaving the rank:
-``4 x (N - 1) / N x E x C x d x element size`` (:func:`deepspeed_a2a_bytes`). Ours moves the
+backward, (ep - 1) / ep of each leaving the rank:
+``4 x (ep - 1) / ep x E x C x d x element size`` (:func:`deepspeed_a2a_bytes`). Ours moves the
 rows that leave their rank, ``2 x (S_out + R_in) x d x element size`` per layer and rank
 (docs/parallel.md): routing-dependent.
 """
@@ -79,7 +84,6 @@ DS_MODES = {
     "full_capacity": "deepspeed-moe capacity_factor=E/k",
 }
 DEFAULT_DS_MODES = "dropless,full_capacity"
-MB = 1e6
 
 
 # ---- DeepSpeed's side, inside each rank ----------------------------------------------------
@@ -414,10 +418,36 @@ def moe_namespace(a: argparse.Namespace, ep: int | None) -> argparse.Namespace:
     return b
 
 
-def _ours_pass(a: argparse.Namespace, ranks: int, root: Path, measure: bool) -> dict:
+def moe_pairs(a: argparse.Namespace) -> list[tuple[int, int]]:
+    """(ranks, ep) of every MoE row: each --moe-ep at each --ranks count, ep = ranks
+    without --moe-ep."""
+    return [(n, ep) for n in a.rank_counts for ep in (a.moe_eps or [n])]
+
+
+def param_split(a: argparse.Namespace) -> tuple[int, int]:
+    """(dense, expert) parameter elements of the MoE rows' model, built on the meta device
+    from the rows' own config (every MoE layer's experts, all of them, count as expert)."""
     import strategy_runs as runs
 
-    b = moe_namespace(a, ranks)
+    from llm.build.model_args import tokenizer_vocab_size
+    from llm.models.moe import MoE
+    from llm.run import build_model_for
+
+    job = runs.Job("zero2", 1, a.precision)
+    overrides = runs.overrides(moe_namespace(a, None), job, Path("unused"), False)
+    cfg = _compose([*(o for o in overrides if not o.startswith("hydra.")), "output_dir=unused"])
+    model, _ = build_model_for(cfg, tokenizer_vocab_size(cfg))
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(
+        p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()
+    )
+    return total - experts, experts
+
+
+def _ours_pass(a: argparse.Namespace, ranks: int, ep: int, root: Path, measure: bool) -> dict:
+    import strategy_runs as runs
+
+    b = moe_namespace(a, ep)
     job = runs.Job("zero2", ranks, a.precision)
     row = runs.run_pass(b, job, root, measure)
     if not row["ok"]:
@@ -442,20 +472,20 @@ def _ours_pass(a: argparse.Namespace, ranks: int, root: Path, measure: bool) -> 
 
 
 def _deepspeed_pass(
-    a: argparse.Namespace, ranks: int, mode: str, root: Path, measure: bool
+    a: argparse.Namespace, ranks: int, ep: int, mode: str, root: Path, measure: bool
 ) -> dict:
     import strategy_runs as runs
 
     kind = "measure" if measure else "time"
     root.mkdir(parents=True, exist_ok=True)
-    run_dir = Path(tempfile.mkdtemp(prefix=f"dsmoe-{mode}-{ranks}-{kind}-", dir=root))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"dsmoe-{mode}-{ranks}-ep{ep}-{kind}-", dir=root))
     b = moe_namespace(a, None)
     job = runs.Job("deepspeed2", ranks, a.precision)
     overrides = [o for o in runs.overrides(b, job, run_dir, measure) if not o.startswith("hydra.")]
     threads = runs.threads_per_rank(a, ranks)
     spec = {
         "ranks": ranks,
-        "ep": ranks,
+        "ep": ep,
         "mode": mode,
         "measure": measure,
         "threads": threads,
@@ -482,13 +512,14 @@ def _deepspeed_pass(
     row["a2a_bytes_per_rank"] = [statistics.mean(r["a2a_bytes_per_step"]) for r in per_rank]
     row["peak_bytes_per_rank"] = [r["memory_peak"]["total"] for r in per_rank]
     row["memory_peak"] = [r["memory_peak"] for r in per_rank]
-    # The formula from each step's capacities (every rank's are the same: the ep group's).
-    steps = per_rank[0]["capacities"]
-    formula = [
-        deepspeed_a2a_bytes(c, result["n_experts"], result["d_model"], ranks, result["itemsize"])
-        for c in steps
+    # The formula from each rank's capacities per step: its ep group's, which differ between
+    # ep groups when ep < ranks (drop_tokens=False takes the group's largest expert count).
+    capacities = [r["capacities"] for r in per_rank]
+    shape = result["n_experts"], result["d_model"], ep, result["itemsize"]
+    row["formula_a2a_bytes_per_rank"] = [
+        statistics.mean(deepspeed_a2a_bytes(c, *shape) for c in steps) for steps in capacities
     ]
-    row.update(capacities=steps, formula_a2a_bytes=statistics.mean(formula))
+    row["capacities"] = capacities
     row.update(tokens_per_rank=result["tokens_per_rank"], d_model=result["d_model"])
     row.update(n_experts=result["n_experts"], itemsize=result["itemsize"])
     return row
@@ -518,18 +549,29 @@ TIMED = (
 )
 
 
-def run_row(a: argparse.Namespace, ranks: int, impl: str, root: Path) -> dict:
-    """One row: ``impl`` "ours" or a DS_MODES key; the timing pass, then the measuring pass."""
+def run_row(
+    a: argparse.Namespace, ranks: int, ep: int, impl: str, root: Path, split: tuple[int, int]
+) -> dict:
+    """One row: ``impl`` "ours" or a DS_MODES key at ``ranks`` and ``ep``; the timing pass,
+    then the measuring pass. ``split``: the model's (dense, expert) parameter elements, for
+    the optimizer-state bytes the row should hold."""
+    from moe_peer_table import OPTIMIZER_BYTES, expected_optimizer_bytes, side
 
     def one(measure: bool) -> dict:
         if impl == "ours":
-            return _ours_pass(a, ranks, root, measure)
-        return _deepspeed_pass(a, ranks, impl, root, measure)
+            return _ours_pass(a, ranks, ep, root, measure)
+        return _deepspeed_pass(a, ranks, ep, impl, root, measure)
 
     head = {
         "ranks": ranks,
+        "ep": ep,
         "impl": impl,
         "label": "ours zero2" if impl == "ours" else DS_MODES[impl],
+        "dense_params": split[0],
+        "expert_params": split[1],
+        "expected_optimizer_bytes": expected_optimizer_bytes(
+            *split, ranks, ep, OPTIMIZER_BYTES[side(impl)]
+        ),
     }
     timed = one(False)
     if not timed["ok"]:
@@ -546,95 +588,22 @@ def run_rows(a: argparse.Namespace, root: Path) -> list[dict]:
     import strategy_runs as runs
 
     impls = ["ours", *a.moe_ds_modes]
+    split = param_split(a)
     rows = []
-    for ranks in a.rank_counts:
+    for ranks, ep in moe_pairs(a):
         for impl in impls:
-            r = run_row(a, ranks, impl, root)
+            r = run_row(a, ranks, ep, impl, root, split)
             for _ in range(a.retakes):
                 if not r["ok"] or r["others_cpu"] <= a.retake_above:
                     break
                 runs.wait_for_quiet(a)
-                again = run_row(a, ranks, impl, root)
+                again = run_row(a, ranks, ep, impl, root, split)
                 if again["ok"] and again["others_cpu"] < r["others_cpu"]:
                     r = again
             status = f"{r['median_ms']:.0f} ms" if r["ok"] else f"failed: {r['error']}"
-            print(f"moe {ranks} ranks {r['label']}: {status}", flush=True)
+            print(f"moe {ranks} ranks ep {ep} {r['label']}: {status}", flush=True)
             rows.append(r)
     return rows
-
-
-# ---- the table --------------------------------------------------------------------------
-COLUMNS = (
-    "ranks (= ep)",
-    "MoE layers",
-    "median step ms",
-    "vs ours",
-    "others' CPU",
-    "all-to-all MB / step, per rank",
-    "DeepSpeed formula MB (capacity C per layer)",
-    "step peak MB, per rank",
-    "rank 0 peak MB (P/G/O/A/other, phase)",
-    "loss step 1",
-    "loss",
-)
-
-LEGEND = (
-    "MoE table: ours = train.py model=moe-tiny parallelism=zero2 parallelism.ep_size=N; "
-    "deepspeed-moe = the same model with deepspeed.moe.layer.MoE(ep_size=N) feed-forwards, "
-    "deepspeed.initialize ZeRO-2 (same init, data, optimizer, schedule). all-to-all: bytes a "
-    "rank sends to other ranks per step (forward and backward); DeepSpeed formula: 4 (N-1)/N "
-    "E C d x 4 B summed over layers, C from DeepSpeed's capacity rule (drop_tokens=False: the "
-    "ep group's largest expert count; capacity_factor=E/k: the rank's tokens); step peak: the "
-    "peak tracker's live tensor bytes (P params, G grads, O optimizer states, A activations); loss: training loss after the timing pass's steps."
-)
-
-
-def _per_rank(values: list[float]) -> str:
-    return " / ".join(f"{v / MB:.2f}" for v in values)
-
-
-def cells(r: dict, ours: dict | None) -> list[str]:
-    import strategy_runs as runs
-
-    head = [str(r["ranks"]), r["label"]]
-    if not r["ok"]:
-        return [*head, f"failed: {r['error']}", *[""] * (len(COLUMNS) - 3)]
-    vs = f"{r['median_ms'] / ours['median_ms']:.2f}x" if ours and ours.get("ok") else "-"
-    if "formula_a2a_bytes" in r:
-        caps = sorted({c for step in r["capacities"] for c in step})
-        formula = f"{r['formula_a2a_bytes'] / MB:.2f} (C {', '.join(map(str, caps))})"
-    else:
-        formula = "- (rows sent: routing)"
-    return [
-        *head,
-        f"{r['median_ms']:.0f}",
-        vs,
-        f"{r['others_cpu']:.2f}",
-        _per_rank(r["a2a_bytes_per_rank"]),
-        formula,
-        _per_rank(r["peak_bytes_per_rank"]),
-        runs.peak_cells(r["memory_peak"][0]),
-        f"{r['losses'][0]:.4f}",
-        f"{r['losses'][-1]:.4f}",
-    ]
-
-
-def table_rows(rows: list[dict]) -> list[list[str]]:
-    ours = {r["ranks"]: r for r in rows if r["impl"] == "ours"}
-    return [cells(r, ours.get(r["ranks"])) for r in rows]
-
-
-def title(a: argparse.Namespace, rows: list[dict]) -> str:
-    import strategy_runs as runs
-
-    counts = sorted({r["ranks"] for r in rows})
-    threads = ", ".join(f"{runs.threads_per_rank(a, n)} at {n} ranks" for n in counts)
-    return (
-        f"MoE: ours vs DeepSpeed-MoE; {a.moe_model}, global batch {a.global_batch} x seq "
-        f"{a.moe_seq_len} ({a.tokenizer} tokens), {a.precision}, {a.device}, ep = ranks, median "
-        f"of steps {a.warmup + 1}-{a.steps}, all-to-all and peaks over {a.measure_steps} "
-        f"measured steps, threads per rank {threads}; {runs.machine(rows)}"
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ the GPU refuses shows as n/a with the reason.
     python benchmarks/strategies.py --device cuda --ranks 1         # one GPU: + precisions
     python benchmarks/strategies.py --ranks 4 --set model.n_layers=8  # any train.py override
     python benchmarks/strategies.py --moe-peer       # + MoE: ours vs DeepSpeed-MoE (moe_peer.py)
+    python benchmarks/strategies.py --ranks 4 --moe-peer --moe-ep 2  # its rows at ep 2 (edp 2)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import moe_peer_table as moe_table
 from bench_device import bench_device
 from strategy_runs import (
     DEFAULT_LAYOUTS,
@@ -205,6 +207,21 @@ def markdown(title: str, columns: tuple[str, ...], rows: list[list[str]]) -> str
 
 
 # ---- the command line -----------------------------------------------------------------
+def _moe_eps(text: str, rank_counts: list[int]) -> list[int]:
+    """--moe-ep's sizes ([] for ep = ranks); each must divide every rank count."""
+    try:
+        eps = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--moe-ep={text!r}: use a comma list of positive integers") from None
+    for ep in eps:
+        if bad := [n for n in rank_counts if ep < 1 or n % ep]:
+            raise SystemExit(
+                f"--moe-ep={ep} does not divide --ranks {bad[0]}; give ep sizes that divide "
+                "every rank count"
+            )
+    return eps
+
+
 def _ints(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
@@ -286,7 +303,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--moe-peer",
         action="store_true",
         help="add the table 'MoE: ours vs DeepSpeed-MoE' (benchmarks/moe_peer.py): our expert\n"
-        "parallelism (zero2, ep_size = ranks) beside deepspeed.moe.layer.MoE at each --ranks",
+        "parallelism (zero2, ep_size = --moe-ep) beside deepspeed.moe.layer.MoE at each --ranks",
+    )
+    p.add_argument(
+        "--moe-ep",
+        default="",
+        help="the MoE table's expert-parallel sizes, comma-separated, each run at every --ranks\n"
+        "count, each of which it must divide (edp = ranks / ep); default: ep = ranks",
     )
     p.add_argument("--moe-model", default="moe-tiny", help="the MoE table's model (moe-tiny)")
     p.add_argument("--moe-seq-len", type=int, default=256, help="the MoE table's seq len (256)")
@@ -313,6 +336,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a.strategy_names = _strategies(a.strategies)
     a.layout_names = _layouts(a.layouts)
     a.moe_ds_modes = [m.strip() for m in a.moe_ds_modes.split(",") if m.strip()]
+    a.moe_eps = _moe_eps(a.moe_ep, a.rank_counts)
     if a.moe_peer:
         from moe_peer import DS_MODES
 
@@ -389,8 +413,8 @@ def main(argv: list[str] | None = None) -> None:
         print_table(title, COLUMNS, strategy_rows(results))
         print(LEGEND)
     if moe:
-        print_table(moe_peer.title(a, moe), moe_peer.COLUMNS, moe_peer.table_rows(moe))
-        print(moe_peer.LEGEND)
+        print_table(moe_table.title(a, moe), moe_table.COLUMNS, moe_table.table_rows(moe))
+        print(moe_table.LEGEND)
     ptitle = f"One rank, {a.model}, batch {a.global_batch} x seq {a.seq_len}, {a.device}"
     if precision:
         print_table(ptitle, PRECISION_COLUMNS, precision_rows(precision))
@@ -411,9 +435,9 @@ def main(argv: list[str] | None = None) -> None:
         if precision:
             text += "\n" + markdown(ptitle, PRECISION_COLUMNS, precision_rows(precision))
         if moe:
-            rows = moe_peer.table_rows(moe)
-            text += "\n" + markdown(moe_peer.title(a, moe), moe_peer.COLUMNS, rows)
-            text += "\n" + moe_peer.LEGEND + "\n"
+            rows = moe_table.table_rows(moe)
+            text += "\n" + markdown(moe_table.title(a, moe), moe_table.COLUMNS, rows)
+            text += "\n" + moe_table.LEGEND + "\n"
         Path(a.markdown).write_text(text)
     if not a.keep_runs:
         shutil.rmtree(root, ignore_errors=True)
