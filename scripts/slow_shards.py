@@ -40,7 +40,7 @@ SHARDS = {
         "tests/test_resize_patch.py",
         "tests/test_stop_latency.py",
     ],
-    # Tensor, pipeline, expert and 2-D parallelism, DeepSpeed, FSDP, multi-node torchrun (about 27
+    # Tensor, pipeline, expert and 2-D parallelism, DeepSpeed, FSDP, multi-node torchrun (about 30
     # min).
     "parallel": [
         "tests/test_pipeline.py",
