@@ -149,21 +149,25 @@ def _refuses_files(path: str) -> bool:
     return False
 
 
+def _tiny_cpu_config(tmp_path, *overrides: str):
+    """gpt2-tiny on CPU with the byte tokenizer and the optimizer offloaded to nvme."""
+    return compose_config(
+        [
+            f"output_dir={tmp_path}/run",
+            "model=gpt2-tiny",
+            "train.device=cpu",
+            "data.tokenizer=byte",
+            "parallelism.offload_optimizer=nvme",
+            *overrides,
+        ]
+    )
+
+
 def test_validate_refuses_what_the_streamed_step_cannot_run(tmp_path):
     from llm.validate import validate
 
     def cfg(*extra):
-        return compose_config(
-            [
-                f"output_dir={tmp_path}/run",
-                "model=gpt2-tiny",
-                "train.device=cpu",
-                "data.tokenizer=byte",
-                "parallelism=zero2",
-                "parallelism.offload_optimizer=nvme",
-                *extra,
-            ]
-        )
+        return _tiny_cpu_config(tmp_path, "parallelism=zero2", *extra)
 
     with pytest.raises(ConfigError, match="is not a folder"):
         validate(cfg(f"parallelism.nvme_path={tmp_path}/none"))
@@ -178,19 +182,10 @@ def test_deepspeeds_nvme_offload_with_checkpoints_is_refused_before_start(tmp_pa
     from llm.validate import validate
 
     def cfg(*extra):
-        return compose_config(
-            [
-                f"output_dir={tmp_path}/run",
-                "model=gpt2-tiny",
-                "train.device=cpu",
-                "data.tokenizer=byte",
-                "parallelism=deepspeed",
-                "parallelism.zero_stage=3",
-                "parallelism.offload_optimizer=nvme",
-                f"parallelism.nvme_path={tmp_path}",
-                *extra,
-            ]
-        )
+        return _tiny_cpu_config(
+            tmp_path, "parallelism=deepspeed", "parallelism.zero_stage=3",
+            f"parallelism.nvme_path={tmp_path}", *extra,
+        )  # fmt: skip
 
     with pytest.raises(ConfigError, match=r"set checkpoint\.enabled=false") as err:
         validate(cfg())
