@@ -104,8 +104,8 @@ bench-optimizers: $(STAMP) ## each optimizer's step time and state bytes, ours a
 profile: $(STAMP) ## where a training step's time goes: top ops, categories, host reads, Chrome trace (ARGS: train.py's overrides)
 	$(PY) -m benchmarks.profile_step $(ARGS)
 
-experiments-gpu: $(STAMP) ## NAME=... [PART=...] OUT=DIR [RESUME=DIR0]: the GPU scale's missing jobs, each recorded in OUT
-	$(PY) -m experiments run $(NAME) scale=gpu $(if $(PART),part=$(PART)) $(ARGS) --out $(OUT) $(if $(RESUME),--resume $(RESUME))
+experiments-gpu: $(STAMP) ## NAME=... [PART=...] OUT=DIR [RESUME=DIR0]: the GPU scale's missing jobs, each recorded in OUT (logger=none, as `python -m experiments list --gpu` prints them)
+	$(PY) -m experiments run $(NAME) scale=gpu $(if $(PART),part=$(PART)) logger=none $(ARGS) --out $(OUT) $(if $(RESUME),--resume $(RESUME))
 
 experiments: $(STAMP) ## run every small experiment, write each report and copy it to docs/experiments/
 	for name in $$($(PY) -m experiments list --names); do \

@@ -47,6 +47,23 @@ def test_the_estimate_is_the_trackers_peak_where_activations_dominate(
     assert est.peak_rows["params"] == peak["params"]
 
 
+@pytest.mark.parametrize(("family", "moment"), [("gpt2", "forward"), ("llama", "backward")])
+def test_the_chunked_loss_keeps_its_gradients_and_no_logits(
+    tmp_path, text_corpus, cache_dir, family, moment
+):
+    """train.fused_loss=chunked: no head input or log-softmax is saved; the two gradients it
+    computes in the forward are (to within a few bytes of the tracker's most activations).
+    Its forward's working tensors (a chunk's logits beside logsumexp's copy of them) set
+    gpt2's peak in the forward; llama's last MLP backward is larger."""
+    extra = (*ACTIVATIONS_DOMINATE[family], "train.fused_loss=chunked")
+    peak, est = _measured_and_estimated(tmp_path, text_corpus, cache_dir, *extra)
+    outside = est.activations["outside_terms"]
+    assert "loss.log_softmax" not in outside and "head.input" not in outside
+    assert est.device["activations"] == pytest.approx(peak["activations_max"], abs=16)
+    assert est.total == pytest.approx(peak["total"], rel=GOAL), est.peak_rows
+    assert est.peak_moment == peak["phase"] == moment
+
+
 def test_the_optimizer_step_is_the_peak_where_states_dominate(tmp_path, text_corpus, cache_dir):
     """torch's for-loop AdamW (optimizer.fused=false on CPU) holds a parameter's square
     root and quotient beside the previous parameter's: above the end of backward."""
@@ -104,7 +121,7 @@ def test_foreach_adamw_adds_a_square_root_per_parameter_and_fused_adds_nothing()
     assert foreach.optimizer_step["optimizer_temporaries"] == 4 * largest
     assert 4 * largest == pytest.approx(4 * n, rel=0.02)
     assert fused.optimizer_step["optimizer_temporaries"] == 0
-    states = ("params", "grads", "optimizer_states")
+    states = ("params", "grads", "optimizer_states", "cublas_workspaces")
     assert sum(fused.optimizer_step.values()) == sum(fused.optimizer_step[k] for k in states)
     assert {k: foreach.optimizer_step[k] for k in states} == {
         k: fused.optimizer_step[k] for k in states

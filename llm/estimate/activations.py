@@ -425,9 +425,12 @@ def outside_terms(
     training: bool = True,
     tp: int = 1,
     sequence_parallel: bool = False,
+    fused_loss: str = "off",
 ) -> dict[str, int]:
     """Embeddings, final norm, head and the loss (logits upcast, log-softmax in fp32), on one
-    of ``tp`` ranks: the vocab-parallel head's logits and log-softmax are 1/tp."""
+    of ``tp`` ranks: the vocab-parallel head's logits and log-softmax are 1/tp. With
+    ``train.fused_loss`` (never under tp) the head and the loss are one op that saves its
+    own tensors (``fused_loss_terms``)."""
     k, dt = Kernels(), Dtypes.of(policy)
     b, s, h, v = batch, seq, args.d_model, args.vocab_size
     terms = {"embed.ids": b * s * I64}
@@ -436,6 +439,8 @@ def outside_terms(
     if training and args.dropout > 0:
         terms["embed.dropout_mask"] = b * s * h * (BOOL if device == "cuda" else dt.p)
     terms |= _norm_terms("final_norm", args, b, s, dt, k)
+    if fused_loss != "off":
+        return terms | fused_loss_terms(fused_loss, b * s, h, v, dt)
     terms["head.input"] = _linear_inputs(1, b * s * h, dt, k)
     if dt.autocast:
         terms["head.weight_copy"] = v * h * dt.c
@@ -443,6 +448,26 @@ def outside_terms(
     terms["loss.targets"] = b * s * I64
     terms["loss.total_weight"] = F32
     return split_terms(terms, tp, sequence_parallel, k.sp_saves_gathered_input)
+
+
+def fused_loss_terms(name: str, n: int, h: int, v: int, dt: Dtypes) -> dict[str, int]:
+    """What ``train.fused_loss=name`` keeps from forward to backward for ``n`` tokens of width
+    ``h`` and a vocabulary of ``v`` (llm/train/loss.py). chunked and Liger-Kernel compute
+    both gradients in the forward and keep them: (n, h) in the hidden states' dtype
+    (chunked: the stream's; Liger: the compute dtype it is handed) and (v, h), chunked's
+    accumulated in fp32, Liger's cast to the weight it is handed (the compute dtype).
+    cut-cross-entropy keeps its inputs and recomputes: the hidden states and the head
+    weight in the compute dtype (copies where autocast casts them), the fp32 log-sum-exp,
+    and int64 targets and indices of the valid ones. Liger's and cut-cross-entropy's rows
+    are read from their autograd Functions' saved tensors, not measured here (CUDA only)."""
+    if name == "chunked":
+        return {"loss.grad_hidden": n * h * dt.p, "loss.grad_weight": v * h * F32}
+    if name == "liger":
+        return {"loss.grad_hidden": n * h * dt.c, "loss.grad_weight": v * h * dt.c}
+    terms = {"loss.hidden": n * h * dt.c, "loss.lse": n * F32, "loss.targets": 2 * n * I64}
+    if dt.autocast:
+        terms["head.weight_copy"] = v * h * dt.c
+    return terms
 
 
 def estimate_activations(
@@ -459,6 +484,7 @@ def estimate_activations(
     budget: float = 1.0,
     tp: int = 1,
     sequence_parallel: bool = False,
+    fused_loss: str = "off",
 ) -> ActivationEstimate:
     """The whole model's activations for one micro-batch on one of ``tp`` tensor-parallel
     ranks; full recompute with ``every=k`` checkpoints blocks k, 2k, ... and keeps the
@@ -466,6 +492,7 @@ def estimate_activations(
     split = dict(tp=tp, sequence_parallel=sequence_parallel)
     kw = dict(backend=backend, sdpa_kernel=sdpa_kernel, device=device, **split)
     none = layer_terms(args, batch, seq, policy, **kw)
+    outside = outside_terms(args, batch, seq, policy, device=device, fused_loss=fused_loss, **split)
     if recompute in ("budget", "offload"):
         # offload: every saved tensor goes to host memory, none stays on the device (the
         # estimator shows ``layer_none`` in its host column). budget: torch.compile's
@@ -475,14 +502,14 @@ def estimate_activations(
         return ActivationEstimate(
             layer={name: int(n * share) for name, n in none.items()},
             layer_none=none,
-            outside=outside_terms(args, batch, seq, policy, device=device, **split),
+            outside=outside,
             n_layers=args.n_layers,
         )
     if recompute == "full":
         return ActivationEstimate(
             layer=none,
             layer_none=none,
-            outside=outside_terms(args, batch, seq, policy, device=device, **split),
+            outside=outside,
             n_layers=args.n_layers,
             every=every,
             recomputed_layer=layer_terms(args, batch, seq, policy, recompute="full", **kw),
@@ -490,6 +517,6 @@ def estimate_activations(
     return ActivationEstimate(
         layer=layer_terms(args, batch, seq, policy, recompute=recompute, **kw),
         layer_none=none,
-        outside=outside_terms(args, batch, seq, policy, device=device, **split),
+        outside=outside,
         n_layers=args.n_layers,
     )

@@ -22,6 +22,7 @@ from llm.estimate.stages import (
     saved_per_stage,
 )
 from llm.estimate.states import RankStates, model_states, paper_states
+from llm.estimate.workspaces import training_workspaces
 from llm.models import build_model, freeze
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
@@ -198,6 +199,7 @@ def estimate(cfg: Config, args) -> Estimate:
         budget=cfg.recompute.memory_budget,
         tp=par.tp_size,
         sequence_parallel=par.sequence_parallel,
+        fused_loss=cfg.train.fused_loss,
     )
     if pp > 1:
         stages = [_stage(cfg, args, acts, policy, stream, micro_batch, r) for r in range(pp)]
@@ -205,7 +207,7 @@ def estimate(cfg: Config, args) -> Estimate:
         states = RankStates(dict(peak.device), dict(peak.host))
         est = _assemble(cfg, states, acts, peak.n_params, policy, world)
         est.rank, est.stages = peak.rank, stages
-        return est
+        return _with_workspaces(est, e.device)
     model = meta_model(cfg, args)
     states = model_states(model, par, policy, cfg.optimizer, world, e.rank)
     states.device["activations"] = acts.total
@@ -220,6 +222,16 @@ def estimate(cfg: Config, args) -> Estimate:
     if moments is not None:
         est.device, est.backward = moments.forward, moments.backward
         est.optimizer_step = moments.optimizer_step
+    return _with_workspaces(est, e.device)
+
+
+def _with_workspaces(est: Estimate, device: str) -> Estimate:
+    """``est`` with the cuBLAS workspaces (llm.estimate.workspaces) in every moment's rows
+    and every pipeline rank's: they persist from the first step on."""
+    held = training_workspaces(device)
+    if held:
+        for rows in [*est.moments.values(), *(s.device for s in est.stages or [])]:
+            rows["cublas_workspaces"] = held
     return est
 
 

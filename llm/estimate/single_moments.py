@@ -3,7 +3,8 @@
 counted (docs/recompute.md, "The memory estimator"); the total is the largest. Measured
 with the peak tracker on CPU (tests/test_estimate_single_moments.py):
 
-- forward: the end of forward. Parameters, optimizer states and every saved activation;
+- forward: the end of forward. Parameters, optimizer states and every saved activation
+  (under ``train.fused_loss=chunked`` with the loss's working tensors, ``loss_forward``);
   no gradient on one device (the Trainer zeroes them to None after each step) unless
   ``train.grad_accum_steps > 1``, where every gradient exists from the second micro-batch.
   Under ddp every gradient exists throughout: they are views of DDP's buckets
@@ -36,8 +37,9 @@ with the peak tracker on CPU (tests/test_estimate_single_moments.py):
 
 Weight gradients are in the parameter dtype (fp32 under autocast), the loss's in fp32 (the
 Trainer upcasts the logits: llm/train/trainer.py ``_cross_entropy_sum``), the MLP's in the
-compute dtype. ``train.fused_loss`` never holds the logits, so the loss's backward point is
-left out there. MoE blocks and every other layout keep their rows as before
+compute dtype. ``train.fused_loss`` never holds the logits: its loss's backward point holds
+the gradients the fused op makes beside what it kept (``llm.estimate.activations.
+fused_loss_terms``). MoE blocks and every other layout keep their rows as before
 (llm.estimate.backward_peak for sharded ones). Under ddp, the comm hook's copy of a bucket
 in another reduce dtype is not counted (it is made only when the reduce dtype differs from
 the gradients').
@@ -87,16 +89,55 @@ def single_moments(
     args = model.args
     ddp = cfg.parallelism.name == "ddp"
     persist = states["grads"] if ddp or cfg.train.grad_accum_steps > 1 else 0
-    forward = {**_states(states, persist), "activations": acts.total}
+    saved = {**_states(states, persist), "activations": acts.total}
+    b, s = cfg.train.micro_batch_size, cfg.data.seq_len
+    forward = dict(saved)
+    if cfg.train.fused_loss == "chunked":  # the forward's peak is in the loss, its last op
+        forward["loss_forward"] = _chunked_loss_working(cfg, b * s, args, policy)
     points = _block_points(cfg, model, policy, acts, states, persist)
     if cfg.train.fused_loss == "off":
-        b, s = cfg.train.micro_batch_size, cfg.data.seq_len
-        points.append({**forward, "loss_backward": 2 * b * s * args.vocab_size * F32})
+        points.append({**saved, "loss_backward": 2 * b * s * args.vocab_size * F32})
+    else:
+        made = _fused_loss_grads(cfg.train.fused_loss, b * s, args, policy)
+        points.append({**saved, "loss_backward": made})
     points.append(_embedding_point(cfg, model, policy, acts, states, persist))
     backward = max(points, key=lambda rows: sum(rows.values()))
     step = _states(states, states["grads"])
     step["optimizer_temporaries"] = optimizer_temporaries(cfg, model, policy)
     return Moments(forward, backward, step)
+
+
+def _chunked_loss_working(cfg: Config, n: int, args, policy: PrecisionPolicy) -> int:
+    """The chunked loss's working tensors at their most, beside the gradients it keeps
+    (llm/train/loss.py ``_chunks``; the gradients count as activations here, where they
+    are saved): the head weight cast to the compute dtype under autocast, and the largest
+    of three points of a chunk of ``rows`` tokens. logsumexp: the fp32 logits and
+    logsumexp's own copy of them (ATen subtracts the maximum into a new tensor). The
+    cast: the compute dtype's logits beside their fp32 copy. The weight gradient: the fp32
+    logits (turned into the softmax gradient in place), that gradient in the compute
+    dtype, the chunk's (V, d) weight gradient in the compute dtype and its fp32 copy.
+    Liger's and cut-cross-entropy's working tensors are not counted."""
+    d, v = args.d_model, args.vocab_size
+    c = policy.compute_dtype.itemsize
+    rows = min(cfg.train.fused_loss_chunk, n)
+    weight = v * d * c if policy.compute_dtype != policy.param_dtype else 0
+    cast = c != F32
+    logsumexp = 2 * rows * v * F32
+    upcast = rows * v * (c + F32) if cast else 0
+    weight_grad = rows * v * (F32 + (c if cast else 0)) + v * d * (c + (F32 if cast else 0))
+    return weight + max(logsumexp, upcast, weight_grad)
+
+
+def _fused_loss_grads(name: str, n: int, args, policy: PrecisionPolicy) -> int:
+    """What the fused loss's backward makes while it still holds what it saved: chunked
+    scales its kept gradients into new ones, (n, d) in the stream's dtype and (V, d) in
+    fp32 cast to the weight's dtype (a second tensor unless that is fp32); Liger-Kernel and
+    cut-cross-entropy make theirs in the compute dtype (from their sources, not measured)."""
+    d, v = args.d_model, args.vocab_size
+    p, c = policy.param_dtype.itemsize, policy.compute_dtype.itemsize
+    if name == "chunked":
+        return n * d * p + v * d * F32 + (v * d * p if p != F32 else 0)
+    return (n + v) * d * c
 
 
 def _replica(cfg: Config, model: nn.Module, world: int) -> bool:
