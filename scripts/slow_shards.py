@@ -47,6 +47,7 @@ SHARDS = {
         "tests/test_pipeline_dp.py",
         "tests/test_tp_dp.py",
         "tests/test_tensor_parallel.py",
+        "tests/test_gpu_pass_rehearse.py",
         "tests/test_tp_dropout.py",
         "tests/test_deepspeed.py",
         "tests/test_fsdp.py",

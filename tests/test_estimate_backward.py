@@ -13,12 +13,16 @@ from llm.models import model_blocks
 
 
 def _estimate(*overrides, world: int = 8):
+    """gpt2-tiny at a byte-sized vocabulary and one sequence, where the blocks' point is larger than the
+    loss's (the other point: ``test_a_large_vocabulary_puts_the_moment_at_the_loss``)."""
     cfg = compose_config(
         [
             "logger=none",
             "output_dir=unused",
             "model=gpt2-tiny",
             "data.seq_len=64",
+            "data.vocab_size=257",
+            "train.micro_batch_size=1",
             "precision=fp32",
             f"estimate.gpus_per_node={world}",
             *overrides,
@@ -76,6 +80,27 @@ def test_fsdp_backward_holds_four_unsharded_blocks_and_one_block_of_gradient_sha
     assert est.backward["optimizer_states"] == est.device["optimizer_states"]
     forward, backward = sum(est.device.values()), sum(est.backward.values())
     assert est.total == max(forward, backward) == est.to_json()["total_bytes"]
+
+
+@pytest.mark.parametrize("layout", ["zero3", "fsdp"])
+def test_a_large_vocabulary_puts_the_moment_at_the_loss(layout):
+    """At the loss's backward every activation is saved beside nll_loss's and log_softmax's
+    fp32 gradients of the logits' size, and the root is gathered: with a vocabulary of 8,192
+    at width 64 that point is larger than the blocks'. FSDP2 has no gradient yet and holds
+    the lookup tables, which nothing saved, as a row of their own."""
+    est, model = _estimate(f"parallelism={layout}", "data.vocab_size=8192", world=4)
+    b, s, v = 1, 64, model.args.vocab_size
+    assert est.backward["loss_backward"] == 2 * b * s * v * 4
+    assert "unsharded_blocks" not in est.backward and "reduce_buckets" not in est.backward
+    assert est.backward["activations"] == est.device["activations"]
+    root = _numel(model) - sum(_numel(b) for b in model_blocks(model))
+    if layout == "fsdp":
+        assert est.backward["grads"] == 0
+        # gpt2's head is tied to the token table, which autograd saves with the head
+        assert est.backward["root_gathered"] == 4 * _numel(model.pos_embeddings)
+    else:
+        assert est.backward["params"] - est.device["params"] == pytest.approx(4 * root, rel=1e-3)
+    assert est.total == sum(est.backward.values())
 
 
 @pytest.mark.parametrize(

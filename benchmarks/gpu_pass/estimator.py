@@ -58,19 +58,26 @@ def small_corpus(root: Path) -> Path:
     return folder
 
 
+def corpus_overrides(work: Path) -> list[str]:
+    """small_corpus's files under ``work``, through a 4096-token BPE trained on them."""
+    return [
+        "data=files",
+        f"data.path={work / 'corpus'}",
+        f"data.cache_dir={work / 'cache'}",
+        "data.tokenizer=bpe",
+        "data.vocab_size=4096",
+        "data.val_samples=2",
+    ]
+
+
 def overrides(work: Path, model: str, batch: int, policy: str, seq_len: int, dry: bool):
     return [
         f"output_dir={work / f'{model}-{policy}'}",
         f"model={model}",
         f"recompute={policy}",
         "precision=bf16",
-        "data=files",
-        f"data.path={work / 'corpus'}",
-        f"data.cache_dir={work / 'cache'}",
-        "data.tokenizer=bpe",
-        "data.vocab_size=4096",
+        *corpus_overrides(work),
         f"data.seq_len={seq_len}",
-        "data.val_samples=2",
         f"train.device={device(dry).type}",
         "train.max_steps=3",
         f"train.micro_batch_size={batch}",

@@ -41,6 +41,7 @@ PAGES = {
     "recompute": "docs/recompute.md",
     "estimator": "docs/recompute.md",
     "calibrate": "docs/parallel.md",
+    "rehearse": "docs/parallel.md",
     "inference": "docs/inference.md",
     "quantization": "docs/inference.md",
 }

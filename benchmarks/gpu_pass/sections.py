@@ -37,6 +37,7 @@ SECTIONS = [
     Section("calibrate", 1, 90, "benchmarks.gpu_pass.calibrate"),
     Section("gpu_tests", 2, 200, "benchmarks.gpu_pass.gpu_tests", PYTEST),
     Section("estimator", 2, 90, "benchmarks.gpu_pass.estimator", CONF),
+    Section("rehearse", 2, 120, "benchmarks.gpu_pass.rehearse", CONF),
     Section("recompute", 2, 45, "benchmarks.gpu_pass.recompute"),
     Section("optimizers", 2, 45, "benchmarks.gpu_pass.optimizers"),
     Section("fp8", 2, 130, "benchmarks.gpu_pass.fp8"),

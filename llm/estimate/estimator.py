@@ -14,7 +14,7 @@ from llm.errors import ConfigError
 from llm.estimate.activations import estimate_activations, outside_by_stage
 from llm.estimate.backward_peak import backward_rows
 from llm.estimate.gathered import gathered_saved_bytes
-from llm.estimate.single_moments import single_moments
+from llm.estimate.single_moments import loss_backward_bytes, single_moments
 from llm.estimate.stages import (
     StageShape,
     held_at_peak,
@@ -217,7 +217,8 @@ def estimate(cfg: Config, args) -> Estimate:
         states.host["activations"] = acts.n_layers * sum(acts.layer_none.values())
     n = sum(p.numel() for p in model.parameters())
     est = _assemble(cfg, states, acts, n, policy, world)
-    est.backward = backward_rows(model, par, policy, est.device, world)
+    loss = loss_backward_bytes(cfg, model.args, policy)
+    est.backward = backward_rows(model, par, policy, est.device, world, loss)
     moments = single_moments(cfg, model, policy, acts, est.device, world)
     if moments is not None:
         est.device, est.backward = moments.forward, moments.backward

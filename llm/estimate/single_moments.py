@@ -95,11 +95,7 @@ def single_moments(
     if cfg.train.fused_loss == "chunked":  # the forward's peak is in the loss, its last op
         forward["loss_forward"] = _chunked_loss_working(cfg, b * s, args, policy)
     points = _block_points(cfg, model, policy, acts, states, persist)
-    if cfg.train.fused_loss == "off":
-        points.append({**saved, "loss_backward": 2 * b * s * args.vocab_size * F32})
-    else:
-        made = _fused_loss_grads(cfg.train.fused_loss, b * s, args, policy)
-        points.append({**saved, "loss_backward": made})
+    points.append({**saved, "loss_backward": loss_backward_bytes(cfg, args, policy)})
     points.append(_embedding_point(cfg, model, policy, acts, states, persist))
     backward = max(points, key=lambda rows: sum(rows.values()))
     step = _states(states, states["grads"])
@@ -126,6 +122,16 @@ def _chunked_loss_working(cfg: Config, n: int, args, policy: PrecisionPolicy) ->
     upcast = rows * v * (c + F32) if cast else 0
     weight_grad = rows * v * (F32 + (c if cast else 0)) + v * d * (c + (F32 if cast else 0))
     return weight + max(logsumexp, upcast, weight_grad)
+
+
+def loss_backward_bytes(cfg: Config, args, policy: PrecisionPolicy) -> int:
+    """What the loss's backward makes while every activation is still saved: nll_loss's and
+    log_softmax's gradients, fp32 tensors of the logits' size (1/tp of the vocabulary under
+    tensor parallel's vocab-parallel loss), or the fused loss's gradients."""
+    b, s = cfg.train.micro_batch_size, cfg.data.seq_len
+    if cfg.train.fused_loss == "off":
+        return 2 * b * s * -(-args.vocab_size // cfg.parallelism.tp_size) * F32
+    return _fused_loss_grads(cfg.train.fused_loss, b * s, args, policy)
 
 
 def _fused_loss_grads(name: str, n: int, args, policy: PrecisionPolicy) -> int:

@@ -1,0 +1,65 @@
+"""The GPU pass's rehearse section (benchmarks/gpu_pass/rehearse.py) on CPU: the estimator
+against one rehearsed rank at llama3-8b's proportions (a vocabulary 32 times the width),
+where the loss's backward sets a sharded rank's peak, and the section's goals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.gpu_pass import rehearse as section
+
+SHARDED = {"fsdp": ("parallelism=fsdp",), "zero3": ("parallelism=zero3",)}
+
+
+@pytest.mark.parametrize("layout", ["fsdp", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_the_estimate_is_the_rehearsed_peak_where_the_loss_sets_it(tmp_path, layout):
+    """Every activation is still saved at the loss's backward, beside its two fp32 gradients
+    of the logits' size and the gathered root: the rank's peak, which the estimate prices
+    (a third under without it)."""
+    case = section.Case(
+        f"small llama {layout} x4",
+        4,
+        (*section.SMALL_LLAMA, "model.n_layers=2", "train.micro_batch_size=1", *SHARDED[layout]),
+    )
+    section.small_corpus(tmp_path)
+    est = section.estimate_for(tmp_path, case, dry=True)
+    figures = section.rehearse_rank(tmp_path, case, est.rank, dry=True, timeout_s=600)
+    row = section.row(case, est, figures)
+    assert row["states_equal"]
+    assert row["tracked_phase"] == est.peak_moment == "backward"
+    assert "loss_backward" in est.peak_rows
+    assert abs(row["tracked_error_pct"]) < 0.5, (est.peak_rows, figures["memory_peak"])
+
+
+def _row(**more) -> dict:
+    return {"states_equal": True, "tracked_error_pct": 1.0, "allocator_error_pct": 2.0, **more}
+
+
+def test_the_goals_are_unmeasured_without_rows_and_can_be_missed():
+    none = section._goals([], [], dry=False)
+    assert all(g.met is None for g in none)
+    assert all(g.met for g in section._goals([_row()], [], dry=False))
+    states, total = section._goals([_row(), _row(states_equal=False)], [], dry=False)
+    assert states.met is False and total.met is True
+    _, total = section._goals([_row(allocator_error_pct=-3.5)], [], dry=False)
+    assert total.met is False
+    failed = section._goals([_row()], ["llama3-8b 3D x512: RuntimeError: ..."], dry=False)
+    assert not any(g.met for g in failed)
+
+
+def test_a_dry_run_judges_the_states_but_not_the_totals():
+    states, total = section._goals([_row(tracked_error_pct=40.0)], [], dry=True)
+    assert states.met is True and total.met is None
+
+
+def test_the_gpu_cases_are_the_issues_sizes():
+    """llama3-8b under fsdp on 64 ranks and in 3D (tp 8 x pp 8 x dp 8) on 512."""
+    sizes = {c.world: c for c in section.GPU}
+    assert set(sizes) == {64, 512}
+    assert all("model=llama3-8b" in c.overrides for c in section.GPU)
+    three_d = dataclasses.asdict(sizes[512])["overrides"]
+    assert {"parallelism.tp_size=8", "parallelism.pp_size=8", "parallelism.dp_size=8"} <= set(
+        three_d
+    )
