@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.timing import median_ms
-from experiments.quantization import evaluation_data
+from llm.inference.evaluation import evaluation_data
 from llm.inference.load import load_for_inference
 from llm.inference.quantize import (
     QuantizedLinear,

@@ -18,14 +18,11 @@ import statistics
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from experiments.claims import COMPARISON_COLUMNS, Claim, Table, compare, fmt
 from experiments.sweep import Job
-from llm.config import DataConfig
-from llm.data import prepare_data
-from llm.data.loader import ValLoader
 from llm.errors import LabError
+from llm.inference.evaluation import evaluation_data
 from llm.inference.load import load_for_inference
 from llm.inference.quantize import (
     GROUP_SIZE,
@@ -38,8 +35,6 @@ from llm.inference.quantize import (
 
 REFS = "docs/references.md"
 CACHE = "quantization.json"
-CALIBRATION_SEQUENCES = 64  # the paper: 128 x 512 tokens of the Pile; a model this size needs fewer
-EVAL_BATCH = 16
 VARIANTS = {
     "unquantised": "unquantised (fp32)",
     "rtn": "RTN INT4 g128",
@@ -82,20 +77,6 @@ CLAIMS = {
 
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def evaluation_data(data: dict):
-    """From a run's ``data`` config: (its tokenizer's digest, the validation loader the
-    trainer used, ``CALIBRATION_SEQUENCES`` train-split sequences (N, seq_len) spread evenly
-    over the split, for AWQ)."""
-    cfg = DataConfig(**OmegaConf.to_container(OmegaConf.create(data), resolve=True))
-    prepared = prepare_data(cfg)
-    val = ValLoader(prepared.val, cfg.seq_len, cfg.packing, EVAL_BATCH, 0, 1, cfg.val_samples)
-    available = prepared.train.num_samples(cfg.seq_len, True)
-    n = min(CALIBRATION_SEQUENCES, available)
-    indices = np.linspace(0, available - 1, n).round().astype(np.int64)
-    calibration = prepared.train.batch(indices, cfg.seq_len, True).input_ids
-    return prepared.tokenizer.digest, val, calibration
 
 
 @torch.no_grad()
