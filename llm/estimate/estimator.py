@@ -217,7 +217,7 @@ def estimate(cfg: Config, args) -> Estimate:
         states.host["activations"] = acts.n_layers * sum(acts.layer_none.values())
     n = sum(p.numel() for p in model.parameters())
     est = _assemble(cfg, states, acts, n, policy, world)
-    loss = loss_backward_bytes(cfg, model.args, policy)
+    loss = loss_backward_bytes(cfg, model.args, policy, micro_batch)
     est.backward = backward_rows(model, par, policy, est.device, world, loss)
     moments = single_moments(cfg, model, policy, acts, est.device, world)
     if moments is not None:
@@ -261,6 +261,8 @@ def _stage(cfg: Config, args, acts, policy, stream, micro_batch: int, pp_rank: i
     head = outside_by_stage(acts.outside)[1]
     heads = [head * (s == pipe.n_stages - 1) for s in pipe.stages_of(pp_rank)]
     _add_gathered(states, part.stages(), part, cfg, policy, heads, rank)
+    if pipe.n_stages - 1 in pipe.stages_of(pp_rank):  # its micro-batch's loss's backward
+        states.device["loss_backward"] = loss_backward_bytes(cfg, args, policy, micro_batch)
     n = sum(p.numel() for p in part.parameters())
     host = {k: v for k, v in states.host.items() if v}
     return StageRows(pp_rank, rank, states.device, host, n)

@@ -95,7 +95,7 @@ def single_moments(
     if cfg.train.fused_loss == "chunked":  # the forward's peak is in the loss, its last op
         forward["loss_forward"] = _chunked_loss_working(cfg, b * s, args, policy)
     points = _block_points(cfg, model, policy, acts, states, persist)
-    points.append({**saved, "loss_backward": loss_backward_bytes(cfg, args, policy)})
+    points.append({**saved, "loss_backward": loss_backward_bytes(cfg, args, policy, b)})
     points.append(_embedding_point(cfg, model, policy, acts, states, persist))
     backward = max(points, key=lambda rows: sum(rows.values()))
     step = _states(states, states["grads"])
@@ -124,14 +124,16 @@ def _chunked_loss_working(cfg: Config, n: int, args, policy: PrecisionPolicy) ->
     return weight + max(logsumexp, upcast, weight_grad)
 
 
-def loss_backward_bytes(cfg: Config, args, policy: PrecisionPolicy) -> int:
-    """What the loss's backward makes while every activation is still saved: nll_loss's and
-    log_softmax's gradients, fp32 tensors of the logits' size (1/tp of the vocabulary under
-    tensor parallel's vocab-parallel loss), or the fused loss's gradients."""
-    b, s = cfg.train.micro_batch_size, cfg.data.seq_len
+def loss_backward_bytes(cfg: Config, args, policy: PrecisionPolicy, batch: int) -> int:
+    """What the loss's backward makes for ``batch`` sequences while every activation is
+    still saved: nll_loss's and log_softmax's gradients, fp32 tensors of the logits' size;
+    under tensor parallel (torch's ``loss_parallel``, over 1/tp of the vocabulary) three
+    such tensors, as the peak tracker measures its handlers' backward on CPU; or the fused
+    loss's gradients."""
+    s, tp = cfg.data.seq_len, cfg.parallelism.tp_size
     if cfg.train.fused_loss == "off":
-        return 2 * b * s * -(-args.vocab_size // cfg.parallelism.tp_size) * F32
-    return _fused_loss_grads(cfg.train.fused_loss, b * s, args, policy)
+        return (2 if tp == 1 else 3) * batch * s * -(-args.vocab_size // tp) * F32
+    return _fused_loss_grads(cfg.train.fused_loss, batch * s, args, policy)
 
 
 def _fused_loss_grads(name: str, n: int, args, policy: PrecisionPolicy) -> int:
