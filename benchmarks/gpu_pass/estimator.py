@@ -122,16 +122,18 @@ def measure(work: Path, model: str, batch: int, policy: str, seq_len: int, dry: 
 
 def held_by_one_matmul() -> int:
     """Bytes one matmul's forward (this thread) and backward (autograd's device thread)
-    leave allocated beyond their tensors, from no cuBLAS workspace: the two workspaces."""
-    torch._C._cuda_clearCublasWorkspaces()
-    x = torch.randn(256, 256, device="cuda", requires_grad=True)
-    w = torch.randn(256, 256, device="cuda", requires_grad=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    (x @ w).sum().backward()
-    torch.cuda.synchronize()
-    grads = x.grad.untyped_storage().nbytes() + w.grad.untyped_storage().nbytes()
-    return torch.cuda.memory_allocated() - before - grads
+    leave allocated beyond their tensors, on a stream of their own: torch keys a workspace
+    by (handle, stream), so both are new there, and nothing private clears the others."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x = torch.randn(256, 256, device="cuda", requires_grad=True)
+        w = torch.randn(256, 256, device="cuda", requires_grad=True)
+        stream.synchronize()
+        before = torch.cuda.memory_allocated()
+        (x @ w).sum().backward()
+        stream.synchronize()
+        grads = x.grad.untyped_storage().nbytes() + w.grad.untyped_storage().nbytes()
+        return torch.cuda.memory_allocated() - before - grads
 
 
 def workspace_note() -> str:
