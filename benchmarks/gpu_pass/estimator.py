@@ -48,12 +48,13 @@ def compose_config(overrides: list[str]):
         return to_dataclass(compose(config_name="config", overrides=overrides))
 
 
-def small_corpus(root: Path) -> Path:
-    """40 standard-library modules as text documents: every machine has them."""
+def small_corpus(root: Path, modules: int | None = 40) -> Path:
+    """``modules`` standard-library modules (None: every top-level one, about 4.7 MB) as text
+    documents: every machine has them."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     folder = root / "corpus"
     folder.mkdir()
-    for path in sorted(stdlib.glob("*.py"))[:40]:
+    for path in sorted(stdlib.glob("*.py"))[:modules]:
         shutil.copy(path, folder / f"{path.stem}.txt")
     return folder
 
