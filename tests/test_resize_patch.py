@@ -1,7 +1,8 @@
 """The peak tracker's ``UntypedStorage.resize_`` patch (llm/memory/live.py) changes nothing
 the strategies see (issue 41, item 4; docs/zero.md, "Stage 3 under asynchronous NCCL"):
 torch's method runs first with the caller's arguments, its return value and exceptions
-pass through, trackers that start and stop in any order leave torch's method behind, and
+pass through, trackers that start and stop in any order leave torch's method behind (or the
+wrapper another tool installed before them, which keeps seeing every resize), and
 zero3 and FSDP2, which free and refill storages with it, train to the same bits with
 tracking on and off."""
 
@@ -50,6 +51,29 @@ def test_the_patch_returns_what_torch_returns_and_raises_what_torch_raises():
         ledger.unwrap_resize()
     assert patched == unpatched
     assert torch.UntypedStorage.resize_ is TORCH_RESIZE
+
+
+def test_a_wrapper_installed_before_tracking_keeps_seeing_resizes_and_comes_back(monkeypatch):
+    """Another tool's resize_ wrapper (torch's MemTracker installs one when entered) is what
+    the patch calls, so it keeps seeing every resize while we track, and it is what the
+    last tracker to stop puts back."""
+    seen = []
+
+    def outer(storage, *args, **kwargs):
+        seen.append(args)
+        return TORCH_RESIZE(storage, *args, **kwargs)
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", outer)
+    ledger = _ledger()
+    tensor = torch.zeros(8)
+    ledger.see(tensor)
+    ledger.wrap_resize()
+    try:
+        tensor.untyped_storage().resize_(128)
+    finally:
+        ledger.unwrap_resize()
+    assert seen == [(128,)] and ledger.current == 128
+    assert torch.UntypedStorage.resize_ is outer
 
 
 def test_trackers_stopping_in_any_order_leave_torchs_method():

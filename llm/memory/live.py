@@ -33,16 +33,18 @@ CUDA_BLOCK = 512  # the caching allocator's rounding (c10/cuda/CUDACachingAlloca
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-# torch's own resize_, and the ledgers that re-read sizes after it while they track.
-_RESIZE = torch.UntypedStorage.resize_
+# The ledgers that re-read sizes after a resize_ while they track, and the resize_ that was
+# installed when the first of them began (torch's own, or another tool's wrapper of it, such
+# as torch's MemTracker): ours calls it, and the last ledger to stop puts it back.
 _RESIZE_WATCHERS: list[LiveStorages] = []
+_RESIZE_INNER: list = []
 
 
 def _resize_and_remeasure(storage, *args, **kwargs):
-    """torch's resize_, called first with the caller's arguments exactly: the same return
-    value (the storage itself) and the same exceptions, before any ledger sees the call.
-    Then every tracking ledger re-reads the storage's size."""
-    out = _RESIZE(storage, *args, **kwargs)
+    """The resize_ installed before ours, called first with the caller's arguments exactly:
+    the same return value (the storage itself) and the same exceptions, before any ledger
+    sees the call. Then every tracking ledger re-reads the storage's size."""
+    out = _RESIZE_INNER[0](storage, *args, **kwargs)
     for ledger in _RESIZE_WATCHERS:
         ledger.resized(storage)
     return out
@@ -196,17 +198,20 @@ class LiveStorages:
 
     def wrap_resize(self) -> None:
         """Re-read a storage's size whenever it is resized in place, until ``unwrap_resize``.
-        One patch serves every ledger, installed while any tracks, so ledgers that start and
-        stop in any order always leave torch's own method behind."""
+        One patch serves every ledger, installed while any tracks and wrapping whatever
+        resize_ was there before it (another tool's wrapper keeps seeing every resize), so
+        ledgers that start and stop in any order leave that method behind."""
         if self not in _RESIZE_WATCHERS:
             _RESIZE_WATCHERS.append(self)
-        torch.UntypedStorage.resize_ = _resize_and_remeasure
+        if not _RESIZE_INNER:
+            _RESIZE_INNER.append(torch.UntypedStorage.resize_)
+            torch.UntypedStorage.resize_ = _resize_and_remeasure
 
     def unwrap_resize(self) -> None:
         if self in _RESIZE_WATCHERS:
             _RESIZE_WATCHERS.remove(self)
-        if not _RESIZE_WATCHERS:
-            torch.UntypedStorage.resize_ = _RESIZE
+        if not _RESIZE_WATCHERS and _RESIZE_INNER:
+            torch.UntypedStorage.resize_ = _RESIZE_INNER.pop()
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         entry = self.live.get(storage._cdata)
