@@ -11,6 +11,8 @@ Which file answers what:
   engine.py           continuous batching: requests join and leave while others decode
   generate.py         prompts in, tokens and tokens/s and cache bytes out
   cli.py              python -m llm.generate's work: prompts, load, sample, generate.json
+  quantize.py         INT4 weight-only linears (RTN, and AWQ's scales from awq.py)
+  evaluation.py       a run's validation batches and AWQ calibration set, to judge them on
 
 Reads checkpoints (llm.train.checkpoint_files), never the Trainer.
 
