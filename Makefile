@@ -29,7 +29,7 @@ venv: $(STAMP) ## create .venv with the pinned requirements (torch held by const
 # docs/torch_versions.md): PyPI's torch 2.11.0 is its CUDA 13 build (about 5 GB with its CUDA
 # libraries, no pip cache kept) and runs on CPU. The other pins are only what that test imports.
 VENV211 := .cache/venv211
-TORCH211_WITH := hydra-core|omegaconf|numpy|psutil|tokenizers|xxhash|pytest|pytest-timeout
+TORCH211_WITH := hydra-core|omegaconf|numpy|psutil|rich|tokenizers|xxhash|pytest|pytest-timeout
 $(VENV211)/.installed: requirements.txt
 	$(PYTHON) -m venv --clear $(VENV211)
 	$(VENV211)/bin/python -m pip install -q --no-cache-dir torch==2.11.0 \

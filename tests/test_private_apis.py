@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -194,6 +195,15 @@ FUNCOL = "torch.ops._c10d_functional"
 DS_GROUPS = "deepspeed.utils.groups"
 SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
+
+def _one_stage_meta_path() -> bool:
+    """torch 2.13 exchanges stage metadata through ``_recv_meta``; torch 2.11 through
+    ``_shape_inference``'s object receive. The rehearsal overrides both."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return hasattr(PipelineStage, "_recv_meta") or hasattr(PipelineStage, "_shape_inference")
+
+
 GUARD = {
     # Names in strings: the wrappers' infixes stripped from module names (DDP's "module" is
     # public), SAC's flash_attn ops, a pipeline-schedule hook overridden through type().
@@ -252,6 +262,15 @@ GUARD = {
     "torch.distributed.pipelining.PipelineStage._recv_meta": Guard(
         "llm/parallel/pipeline/schedule.py",
         _params("torch.distributed.pipelining.PipelineStage._recv_meta", ["self", "src_stage"]),
+    ),
+    # torch 2.11's path (the GPU machines' torch): shape inference receives an object, which
+    # the rehearsal answers by patching the receive while it runs. torch 2.13 has the
+    # _recv_meta path instead, so one of the two must exist.
+    "torch.distributed.pipelining.PipelineStage._shape_inference": Guard(
+        "llm/parallel/pipeline/schedule.py", _one_stage_meta_path
+    ),
+    "torch.distributed.recv_object_list =": Guard(
+        "llm/parallel/pipeline/rehearsal.py", lambda: callable(dist.recv_object_list)
     ),
     **{
         f"torch.distributed.pipelining._utils.{name}": Guard("llm/parallel/pipeline/rehearsal.py")

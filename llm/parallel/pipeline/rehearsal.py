@@ -13,22 +13,54 @@ whose stages pass a tp rank's share of the sequence, is refused before this is r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
-from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, _TensorMeta
+import torch.distributed as dist
+
+
+def input_shape(stage, rows_and_length: tuple[int, int]) -> tuple[torch.Size, torch.dtype]:
+    """The residual stream a stage receives: (rows, T, d) in its parameters' dtype."""
+    rows, length = rows_and_length
+    dtype = next(stage.submod.parameters()).dtype
+    return torch.Size((rows, length, stage.submod.d_model)), dtype
 
 
 def neighbour_meta(stage, src_stage: int, rows_and_length: tuple[int, int]):
-    """What ``src_stage`` would send ``stage``: its output's metadata when it is the stage
-    before, the gradient of ``stage``'s own output when it is the stage after."""
+    """What ``src_stage`` would send ``stage`` (torch 2.13's ``_recv_meta``): its output's
+    metadata when it is the stage before, the gradient of ``stage``'s own output when it is
+    the stage after. The private classes are imported here, where only a torch that has
+    them calls this."""
+    from torch.distributed.pipelining._utils import (
+        _StageBackwardMeta,
+        _StageForwardMeta,
+        _TensorMeta,
+    )
+
     if src_stage < stage.stage_index:
-        rows, length = rows_and_length
-        dtype = next(stage.submod.parameters()).dtype
-        shape = torch.Size((rows, length, stage.submod.d_model))
-        stride = (length * shape[2], shape[2], 1)
+        shape, dtype = input_shape(stage, rows_and_length)
+        stride = (shape[1] * shape[2], shape[2], 1)
         return _StageForwardMeta(forward_metas=(_TensorMeta(shape, stride, dtype, True),))
     return _StageBackwardMeta(backward_metas=stage._stage_meta.outputs)
+
+
+@contextmanager
+def answered_shapes(stage, rows_and_length: tuple[int, int]) -> Iterator[None]:
+    """torch 2.11's shape inference receives the previous stage's input metadata as an
+    object (``dist.recv_object_list``), which the fake group leaves unset: while it runs,
+    the receive answers with the residual stream's shape, as a meta tensor."""
+    shape, dtype = input_shape(stage, rows_and_length)
+    receive = dist.recv_object_list
+
+    def answer(objects, *args, **kwargs):
+        objects[0] = (torch.empty(shape, dtype=dtype, device="meta"),)
+
+    dist.recv_object_list = answer
+    try:
+        yield
+    finally:
+        dist.recv_object_list = receive
 
 
 def zeroed(get_recv_ops: Callable[[int], list]) -> Callable[[int], list]:

@@ -37,7 +37,7 @@ from llm.config import PP_V_SHAPED
 from llm.parallel.dist import rehearsing
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline.modules import PipelinePart
-from llm.parallel.pipeline.rehearsal import neighbour_meta, zeroed
+from llm.parallel.pipeline.rehearsal import answered_shapes, neighbour_meta, zeroed
 from llm.parallel.pipeline.tied import TiedEmbeddings
 from llm.precision import LossScaler
 
@@ -84,6 +84,13 @@ class _SyncedStage(PipelineStage):
         if rehearsing():
             return neighbour_meta(self, src_stage, self._chunk())
         return super()._recv_meta(src_stage)
+
+    def _shape_inference(self, *args, **kwargs):
+        """torch 2.11's path (2.13 receives through ``_recv_meta`` instead)."""
+        if not rehearsing():
+            return super()._shape_inference(*args, **kwargs)
+        with answered_shapes(self, self._chunk()):
+            return super()._shape_inference(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         with self._grad_sync(last_backward and self._last_batch()):
