@@ -70,7 +70,7 @@ def backward_rows(
         buckets = model_buckets(model, 3, par.bucket_cap_mb, w, world)
         root = sum(b.padded for b in buckets if b.unit == len(model_blocks(model)))
         loss = {**forward, "params": forward["params"] + w * root}
-        blocks = _zero3(model, par, policy, forward, world)
+        blocks = _zero3(model, par, policy, forward, buckets)
     elif par.name == "fsdp" and par.reshard_after_forward:
         loss = {**forward, "grads": 0, "root_gathered": w * _lookup_tables(model)}
         blocks = _fsdp(model, policy, forward, world)
@@ -83,7 +83,7 @@ def backward_rows(
 def _lookup_tables(model: nn.Module) -> int:
     """Elements of the embedding tables no other module uses (a tied head saves its weight
     for backward, so that one is counted with the saved activations)."""
-    head = getattr(getattr(model, "output", None), "weight", None)
+    head = model.output.weight
     return sum(
         m.weight.numel()
         for m in model.modules()
@@ -91,9 +91,8 @@ def _lookup_tables(model: nn.Module) -> int:
     )
 
 
-def _zero3(model, par, policy, forward: dict[str, int], world: int) -> dict[str, int]:
+def _zero3(model, par, policy, forward: dict[str, int], buckets: list[Bucket]) -> dict[str, int]:
     w, r = policy.working_dtype.itemsize, policy.reduce_dtype.itemsize
-    buckets = model_buckets(model, 3, par.bucket_cap_mb, w, world)
     n_blocks = len(model_blocks(model))
     root = [b for b in buckets if b.unit == n_blocks]
     last_two = [b for b in buckets if b.unit >= n_blocks - 2 and b.unit != n_blocks]
