@@ -103,17 +103,11 @@ def test_a_large_vocabulary_puts_the_moment_at_the_loss(layout):
     assert est.total == sum(est.backward.values())
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["parallelism=fsdp", "parallelism.reshard_after_forward=false"],
-        ["parallelism=zero2"],
-    ],
-)
-def test_layouts_without_a_backward_moment_keep_the_forward_total(overrides):
-    """Unsharded parameters over several ranks (FSDP2 without resharding, ZeRO 1-2) have no
-    second moment: the total is the end-of-forward rows', as before. One device has its
-    own moments (tests/test_estimate_single_moments.py)."""
-    est, _ = _estimate(*overrides, world=4)
+def test_fsdp_without_resharding_keeps_the_forward_total():
+    """Unsharded parameters over several ranks (FSDP2 without resharding) have no second
+    moment: the total is the end-of-forward rows'. One device has its own moments
+    (tests/test_estimate_single_moments.py), ZeRO-1 and -2 theirs
+    (tests/test_estimate_zero_buckets_backward.py)."""
+    est, _ = _estimate("parallelism=fsdp", "parallelism.reshard_after_forward=false", world=4)
     assert est.backward is None
     assert est.total == sum(est.device.values())

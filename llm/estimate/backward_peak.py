@@ -35,11 +35,8 @@ never resharded after forward, llm/parallel/fsdp.py), and where autograd did not
 own, ``root_gathered``. Measured with the rehearsal's tracker at a vocabulary 32 times the
 width (llama3-8b's proportions): without it the estimate was a third under.
 
-Other layouts (ZeRO-1 and -2, tensor or pipeline parallel, experts, FSDP2 without
-resharding) have no second moment here. For ZeRO-1 and -2 that misses their full-size
-gradient buckets late in backward: rehearsed at a shape where model states dominate
-(llama-tiny at width 256, 4 blocks, one 32-token sequence, zero2 over 4 ranks, the
-default 25 MB buckets) the peak was 65.3 MiB in backward against an estimate of 36.8.
+ZeRO-1 and -2 have theirs in llm.estimate.zero_buckets_backward. Other layouts (tensor or
+pipeline parallel, experts, FSDP2 without resharding) have no second moment here.
 """
 
 from __future__ import annotations

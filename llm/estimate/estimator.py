@@ -23,6 +23,7 @@ from llm.estimate.stages import (
 )
 from llm.estimate.states import RankStates, model_states, paper_states
 from llm.estimate.workspaces import training_workspaces
+from llm.estimate.zero_buckets_backward import zero_buckets_backward
 from llm.models import build_model, freeze
 from llm.parallel.mesh import ParallelDims
 from llm.parallel.pipeline import PipelineLayout, PipelinePart
@@ -218,7 +219,9 @@ def estimate(cfg: Config, args) -> Estimate:
     n = sum(p.numel() for p in model.parameters())
     est = _assemble(cfg, states, acts, n, policy, world)
     loss = loss_backward_bytes(cfg, model.args, policy, micro_batch)
-    est.backward = backward_rows(model, par, policy, est.device, world, loss)
+    est.backward = backward_rows(model, par, policy, est.device, world, loss) or (
+        zero_buckets_backward(cfg, model, policy, stream, acts, est.device, world, loss)
+    )
     moments = single_moments(cfg, model, policy, acts, est.device, world)
     if moments is not None:
         est.device, est.backward = moments.forward, moments.backward

@@ -14,10 +14,13 @@ with the peak tracker on CPU (tests/test_estimate_single_moments.py):
   - The loss's backward (``loss_backward``): every activation still saved, and beside the
     log-softmax it saved two fp32 tensors of the logits' size (nll_loss's gradient and
     log_softmax's).
-  - Each block's MLP backward (``mlp_backward``, ``weight_grads_made``), last block first:
-    the outside terms (final norm, head input, log-softmax) are freed, the blocks after it
-    too, and so is w2's saved input once w2's backward ran; the gradients of the MLP's
-    intermediates are live (SwiGLU: w2's input, silu's output and w3's output at once;
+  - Each block's MLP backward (``mlp_backward``, ``weight_grads_made``), last block first,
+    at two points: during w2's backward (its input still saved; the gradient of that input,
+    the residual stream's, which is w2's output gradient, and w2's new weight gradient
+    live) and after it. The outside terms
+    (final norm, head input, log-softmax) are freed, the blocks after it too, and so is
+    w2's saved input once w2's backward ran; the gradients of the MLP's intermediates are
+    then live (SwiGLU: w2's input, silu's output and w3's output at once;
     GELU: w2's input and the GELU's input), beside the residual stream's gradient and the
     weight gradients made so far (head, final norm, later blocks, w2; where gradients
     persist none is new, except a tied head's, which waits for the lookup's). Under full
@@ -94,9 +97,9 @@ def single_moments(
     forward = dict(saved)
     if cfg.train.fused_loss == "chunked":  # the forward's peak is in the loss, its last op
         forward["loss_forward"] = _chunked_loss_working(cfg, b * s, args, policy)
-    points = _block_points(cfg, model, policy, acts, states, persist)
+    points = block_points(cfg, model, policy, acts, states, persist)
     points.append({**saved, "loss_backward": loss_backward_bytes(cfg, args, policy, b)})
-    points.append(_embedding_point(cfg, model, policy, acts, states, persist))
+    points.append(embedding_point(cfg, model, policy, acts, states, persist))
     backward = max(points, key=lambda rows: sum(rows.values()))
     step = _states(states, states["grads"])
     step["optimizer_temporaries"] = optimizer_temporaries(cfg, model, policy)
@@ -167,10 +170,13 @@ def _states(states: dict[str, int], grads: int) -> dict[str, int]:
     }
 
 
-def _block_points(cfg, model, policy, acts, states, persist: int) -> list[dict[str, int]]:
-    """Each block's MLP backward, last block first: the blocks before it keep what they
-    saved, the block itself what it saved (or, recomputed, every tensor a block saves) less
-    w2's input; the blocks after it are freed and have made their weight gradients."""
+def block_points(cfg, model, policy, acts, states, persist: int) -> list[dict[str, int]]:
+    """Two points of each block's MLP backward, last block first: during w2's backward (its
+    input still saved, the gradient of that input and w2's weight gradient made beside the
+    residual stream's) and after it (w2's input freed, the MLP's intermediate gradients
+    live). The blocks before it keep what they saved, the block itself what it saved (or,
+    recomputed, every tensor a block saves); the blocks after it are freed and have made
+    their weight gradients."""
     args, blocks = model.args, model_blocks(model)
     b, s = cfg.train.micro_batch_size, cfg.data.seq_len
     p, c = policy.param_dtype.itemsize, policy.compute_dtype.itemsize
@@ -180,30 +186,39 @@ def _block_points(cfg, model, policy, acts, states, persist: int) -> list[dict[s
     unreached = acts.layer.get("w2.output", 0) if cfg.recompute.name.startswith("op_sac") else 0
     kept = [acts.block(i) for i in range(len(blocks))]
     lookups = outside_by_stage(acts.outside)[0]
-    transient = MLP_GRADS[args.family] * b * s * args.d_ff * c + b * s * args.d_model * p
+    w2_input = acts.layer_none.get("mlp.w2_input", 0)
+    stream = b * s * args.d_model * p
+    during = b * s * args.d_ff * c + stream  # w2's output gradient is the stream's
+    after = MLP_GRADS[args.family] * b * s * args.d_ff * c + stream
     tied = _tied_head(model)
     made = _trainable(model.output, model.norm)  # the head's and the final norm's
     points = []
     for i in reversed(range(len(blocks))):
         again = whole + unreached if cfg.recompute.name in WHOLE_AGAIN else kept[i]
-        saved = lookups + sum(kept[:i]) + again - acts.layer_none.get("mlp.w2_input", 0)
+        saved = lookups + sum(kept[:i]) + again
         # Where gradients persist (accumulation, ddp's buckets) each new one is added or
         # copied into its gradient and freed, except the tied head's, which waits for the
         # lookup's at the end of backward.
-        new = tied if persist else made + _trainable(blocks[i].feed_forward.w2)
-        points.append(
-            {
-                **_states(states, persist),
-                "activations": saved,
-                "mlp_backward": transient,
-                "weight_grads_made": p * new,
-            }
-        )
+        w2 = _trainable(blocks[i].feed_forward.w2)
+        new = tied if persist else made + w2
+        # during w2's backward its weight gradient is new even where gradients persist
+        for held, transient, grads in (
+            (saved, during, new + w2 if persist else new),
+            (saved - w2_input, after, new),
+        ):
+            points.append(
+                {
+                    **_states(states, persist),
+                    "activations": held,
+                    "mlp_backward": transient,
+                    "weight_grads_made": p * grads,
+                }
+            )
         made += _trainable(blocks[i])
     return points
 
 
-def _embedding_point(cfg, model, policy, acts, states, persist: int) -> dict[str, int]:
+def embedding_point(cfg, model, policy, acts, states, persist: int) -> dict[str, int]:
     """The end of backward, at the lookup's: every gradient, the embedding output's gradient,
     a tied head's gradient waiting for the lookup's and, where gradients persist, the
     lookup's new one."""
