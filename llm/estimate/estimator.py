@@ -19,7 +19,9 @@ from llm.estimate.stages import (
     StageShape,
     held_at_peak,
     outputs_per_stage,
+    receive_buffers,
     saved_per_stage,
+    stage_working,
 )
 from llm.estimate.states import RankStates, model_states, paper_states
 from llm.estimate.workspaces import training_workspaces
@@ -257,6 +259,9 @@ def _stage(cfg: Config, args, acts, policy, stream, micro_batch: int, pp_rank: i
     saved = saved_per_stage(acts, pipe, pp_rank)
     held = held_at_peak(pipe, m, pp_rank, saved, outputs)
     states.device["activations"], states.device["stage_outputs"] = held
+    states.device["receive_buffers"] = receive_buffers(shape, pipe, m, pp_rank)
+    if pipe.n_stages - 1 not in pipe.stages_of(pp_rank):  # the last's peak is the loss's
+        states.device["stage_working"] = stage_working(shape, acts, cfg.recompute.name)
     if cfg.recompute.name == "offload":  # every block's saved tensors, in host memory
         kept = dataclasses.replace(acts, layer=acts.layer_none, outside={})
         kept_saved = saved_per_stage(kept, pipe, pp_rank)

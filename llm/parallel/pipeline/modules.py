@@ -123,13 +123,18 @@ class Stage(nn.Module):
         """The width of the activations between stages."""
         return self._part[0].args.d_model
 
+    def _embed(self, ids: Tensor) -> Tensor:
+        """The first stage's lookups; a method of its own so that no name in ``forward``
+        holds the embedding's output while the blocks run."""
+        h = self.tok_embeddings(ids)
+        if self.family == "gpt2":
+            h = h + self.pos_embeddings(torch.arange(ids.size(1), device=ids.device))
+        return self.dropout(h)
+
     def forward(self, x: Tensor) -> Tensor:
         with self._part[0].context():
             if self.first:
-                h = self.tok_embeddings(x)
-                if self.family == "gpt2":
-                    h = h + self.pos_embeddings(torch.arange(x.size(1), device=x.device))
-                x = self.dropout(h)
+                x = self._embed(x)
             for block in self.layers.values():
                 x = block(x)
             if self.last:
