@@ -176,7 +176,7 @@ def _main(
         dist.broadcast_object_list(shared, src=0)
         cfg = dataclasses.replace(cfg, output_dir=shared[0])
         run_log_moves_to(Path(cfg.output_dir))
-    tracker = PeakTracker(device, cfg.train.memory_tracking)
+    tracker = PeakTracker(device, cfg.train.memory_tracking, cfg.train.peak_tensors)
     lock = RunDirLock(Path(cfg.output_dir))
     try:
         if lock_run_dir:
@@ -437,6 +437,7 @@ _PER_RANK = (
     "comm_bytes_per_step",
     "memory_peak",
     "memory_peak_by_phase",
+    "memory_peak_tensors",
     "cuda_max_allocated_bytes",
 )
 _HIGHEST = ("peak_memory_bytes", "max_peak_memory_bytes", "process_peak_rss_bytes")

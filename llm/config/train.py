@@ -31,6 +31,10 @@ class TrainConfig:
     # Which steps probe memory (llm/train/probes.py): step 1 and the logged steps (default),
     # every other step, or the same steps without the peak tracker. A probe is never timed.
     memory_tracking: str = "logged"  # logged | alternate | off
+    # The largest tensors live at the tracked step's peak, each named by the op and the
+    # line of llm/ that made it (summary.json ``memory_peak_tensors``); 0: not recorded
+    # (naming every new storage slows a tracked step).
+    peak_tensors: int = 0
     # The loss with the LM head fused in, never holding the (B*T, V) fp32 logits at once
     # (llm/train/loss.py): off (logits, then the loss), chunked (plain torch, any device),
     # liger (Liger-Kernel) or cce (Apple's cut-cross-entropy), both Triton on CUDA.
@@ -53,6 +57,8 @@ class TrainConfig:
             raise ConfigError(
                 f"train.stop_at_step={self.stop_at_step} must be in 1..train.max_steps={self.max_steps}"
             )
+        if self.peak_tensors < 0:
+            raise ConfigError(f"train.peak_tensors={self.peak_tensors} must be >= 0 (0: off)")
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
         require_choice("train", "device", self.device, ("auto", "cpu", "cuda"))

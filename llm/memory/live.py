@@ -14,6 +14,8 @@ allocator's 512-byte blocks.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -71,6 +73,21 @@ class _Saved:
             self.ledger.release(entry)
 
 
+def origin(op) -> str:
+    """``op`` and the innermost line of llm/ that ran it (not this room's, nor another
+    dispatch mode's, such as the communication counter's): where a storage was made, as a
+    peak's tensors name it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name, code = frame.f_code.co_filename, frame.f_code.co_name
+        ours = f"{os.sep}llm{os.sep}" in name and f"{os.sep}memory{os.sep}" not in name
+        if ours and code != "__torch_dispatch__":
+            where = name.split(f"{os.sep}llm{os.sep}")[-1]
+            return f"{op} at llm/{where}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return str(op)
+
+
 def storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
     """The storages behind ``t``: a DTensor's local shard, a float8 tensor's data and scale."""
     if is_traceable_wrapper_subclass(t):
@@ -95,6 +112,8 @@ class OpOutputs(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if types and any(t not in _PLAIN for t in types):
             return out  # fake tensors (DTensor's sharding propagation) hold no memory
+        if self.ledger.origins is not None:
+            self.ledger.op = func
         see = self.ledger.see
         if isinstance(out, torch.Tensor):
             see(out)
@@ -123,6 +142,9 @@ class LiveStorages:
         # pipeline stage holds its most activations, and a strategy its most gradients, at
         # other moments than its highest total.
         self.high = dict.fromkeys(CATEGORIES, 0)
+        # Where each storage was made (``origin``), kept only when a caller asks for it.
+        self.origins: dict[int, str] | None = None
+        self.op = None  # the op whose outputs are being registered
 
     def nbytes(self, storage: torch.UntypedStorage) -> int:
         n = storage.nbytes()
@@ -142,6 +164,8 @@ class LiveStorages:
             entry.attention = False
             entry.ref = weakref.ref(storage, partial(self._free, key))
             self.live[key] = self.other[key] = entry
+            if self.origins is not None:
+                self.origins[key] = origin(self.op)
             self.grow(entry, self.nbytes(storage))
         return entry
 
@@ -167,6 +191,8 @@ class LiveStorages:
 
     def _free(self, key: int, _ref) -> None:
         entry = self.live.pop(key, None)
+        if self.origins is not None:
+            self.origins.pop(key, None)
         if entry is not None:
             self.other.pop(key, None)
             self._state.pop(key, None)

@@ -41,6 +41,7 @@ carries the dispatch mode into them, so they are seen.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -67,11 +68,14 @@ class PeakTracker:
     total, phase}. On CUDA the allocator's own peak is read beside it (``last_cuda_peak``,
     reset at each step start)."""
 
-    def __init__(self, device: torch.device, mode: str = "logged") -> None:
+    def __init__(self, device: torch.device, mode: str = "logged", tensors: int = 0) -> None:
         self.device = torch.device(device)
         self.mode = mode
+        self.tensors = tensors  # how many of the largest live tensors each peak lists
         self._state_fn: StateFn | None = None
         self.live = LiveStorages(self.device, on_high=self._record)
+        if tensors:
+            self.live.origins = {}
         self._phase: str | None = None
         self._peak: tuple = ()
         self._step_peak: dict | None = None
@@ -80,6 +84,10 @@ class PeakTracker:
         self._open: ExitStack | None = None
         self.last_step: dict | None = None
         self.best_step: dict | None = None
+        # With ``tensors``: the largest tensors at best_step's peak (bytes, category, where
+        # made), largest first; at the peak of the step being tracked while it runs.
+        self.best_step_tensors: list[dict] | None = None
+        self._step_tensors: list[dict] | None = None
         self.by_phase: dict[str, dict] = {}
         self.last_cuda_peak: int | None = None
         self.cuda_step_peak: int | None = None  # the highest per-step allocator peak
@@ -112,6 +120,7 @@ class PeakTracker:
             self.last_step = {**self._step_peak, **self._step_most}
             if self.best_step is None or self.last_step["total"] > self.best_step["total"]:
                 self.best_step = self.last_step
+                self.best_step_tensors = self._step_tensors
         else:
             yield
         self.last_cuda_peak = self._read_cuda_peak()
@@ -187,6 +196,7 @@ class PeakTracker:
         self._step_most = {k: max(v, peak[k]) for k, v in self._step_most.items()}
         if self._step_peak is None or peak["total"] > self._step_peak["total"]:
             self._step_peak = peak
+            self._step_tensors = self._peak_tensors()
         best = self.by_phase.get(peak["phase"])
         if best is None or peak["total"] > best["total"]:
             self.by_phase[peak["phase"]] = peak
@@ -197,12 +207,20 @@ class PeakTracker:
         # of freed storages, which take their entries out of ``other`` ("dictionary changed
         # size during iteration", seen under 4 gloo ranks).
         others = [(e, e.size) for e in self.live.other.copy().values()]
-        self._peak = (dict(self.live.totals), others, self._phase, self.live.attention)
+        largest = None
+        if self.tensors:
+            entries = self.live.live.copy().values()
+            made = self.live.origins
+            largest = [
+                (e, e.size, e.category, made.get(e.key, "before tracking"))
+                for e in heapq.nlargest(self.tensors, entries, key=_size)
+            ]
+        self._peak = (dict(self.live.totals), others, self._phase, self.live.attention, largest)
 
     def _finish(self) -> dict:
         """The phase's peak, with storages that were unclassified at the peak and have since
         turned out to be state (gradients made during backward) moved to their category."""
-        totals, others, phase, attention = self._peak
+        totals, others, phase, attention, _ = self._peak
         for entry, size in others:
             if entry.category in STATE:
                 totals["other"] -= size
@@ -214,6 +232,22 @@ class PeakTracker:
             LABELLED: attention,
             **{MOST[c]: self.live.high[c] for c in CATEGORIES},
         }
+
+    def _peak_tensors(self) -> list[dict] | None:
+        """The largest tensors at the peak just closed, each in its category there, or in
+        the state category it has turned out to be (a gradient made during backward), as
+        ``_finish`` counts them."""
+        largest = self._peak[4]
+        if largest is None:
+            return None
+        return [
+            {
+                "bytes": size,
+                "category": e.category if then == "other" and e.category in STATE else then,
+                "made_by": where,
+            }
+            for e, size, then, where in largest
+        ]
 
     # ---- state ---------------------------------------------------------------------
     def _refresh(self) -> None:
@@ -229,6 +263,10 @@ class PeakTracker:
         peak = cuda_peak_bytes(self.device)
         self.cuda_run_peak = _max(self.cuda_run_peak, peak)
         return peak
+
+
+def _size(entry) -> int:
+    return entry.size
 
 
 def _max(a: int | None, b: int | None) -> int | None:

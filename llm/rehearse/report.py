@@ -33,6 +33,7 @@ def rehearsal_figures(summary: dict, world_size: int, rank: int) -> dict:
         "model_state_bytes": summary["model_state_bytes"][0],
         "step_time_s": summary["step_time_s"],
         "comm_bytes_per_step": summary["comm_bytes_per_step"][0],
+        "memory_peak_tensors": (summary.get("memory_peak_tensors") or [None])[0],
     }
 
 
@@ -54,6 +55,8 @@ def print_rehearsal(figures: dict) -> None:
     if figures["cuda_max_allocated_bytes"] is not None:
         table.add_row("allocator (cuda)", human(figures["cuda_max_allocated_bytes"]), "")
     console.print(table)
+    if figures["memory_peak_tensors"]:
+        print_peak_tensors(console, figures["memory_peak_tensors"])
     comm = Table(title="bytes each collective would move per step (payload, not ring traffic)")
     comm.add_column("collective")
     comm.add_column("bytes", justify="right")
@@ -65,3 +68,15 @@ def print_rehearsal(figures: dict) -> None:
         "compute time per step, no communication: "
         + ("no timed step (raise rehearse.steps)" if step is None else f"{step:.3f} s")
     )
+
+
+def print_peak_tensors(console: Console, tensors: dict) -> None:
+    """train.peak_tensors' list: the largest tensors live at the step's peak."""
+    table = Table(title="the largest tensors at the step's peak (train.peak_tensors)")
+    table.add_column("#", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("category")
+    table.add_column("made by")
+    for i, t in tensors.items():
+        table.add_row(i, human(t["bytes"]), t["category"], t["made_by"])
+    console.print(table)

@@ -61,6 +61,10 @@ def memory_summary(tracker: PeakTracker, device: torch.device) -> dict:
     return {
         "memory_peak": best,
         "memory_peak_by_phase": tracker.by_phase,
+        # train.peak_tensors: numbered from 1, largest first (W&B names dict keys, not items)
+        "memory_peak_tensors": None
+        if tracker.best_step_tensors is None
+        else {str(i): t for i, t in enumerate(tracker.best_step_tensors, 1)},
         "peak_memory_bytes": tracker.cuda_step_peak if on_cuda else _total(best),
         "max_peak_memory_bytes": tracker.cuda_run_peak if on_cuda else phase_max,
         "cuda_max_allocated_bytes": tracker.cuda_step_peak,

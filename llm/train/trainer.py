@@ -141,7 +141,9 @@ class Trainer:
         # Every rank's (tracked peak, CUDA peak) of the last step read (``_read_pending``).
         self._rank_peaks: list[tuple[dict | None, int | None]] = []
         # llm.run hands over the tracker that measured start-up, so the run has one.
-        self.tracker = tracker or PeakTracker(device, cfg.train.memory_tracking)
+        self.tracker = tracker or PeakTracker(
+            device, cfg.train.memory_tracking, cfg.train.peak_tensors
+        )
         self.tracker.watch(strategy.state_tensors)
         self.resumed_from = None  # the checkpoint this invocation started from
         self.stop_signal: str | None = None
