@@ -13,9 +13,9 @@ allocator's 512-byte blocks.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -77,7 +77,7 @@ def origin(op) -> str:
     """``op`` and the innermost line of llm/ that ran it (not this room's, nor another
     dispatch mode's, such as the communication counter's): where a storage was made, as a
     peak's tensors name it."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
     while frame is not None:
         name, code = frame.f_code.co_filename, frame.f_code.co_name
         ours = f"{os.sep}llm{os.sep}" in name and f"{os.sep}memory{os.sep}" not in name
