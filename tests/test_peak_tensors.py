@@ -66,7 +66,7 @@ def test_listing_them_leaves_the_peak_as_it_was():
 
 
 def test_a_negative_count_is_refused():
-    with pytest.raises(ConfigError, match="train.peak_tensors=-1"):
+    with pytest.raises(ConfigError, match=r"train\.peak_tensors=-1"):
         TrainConfig(peak_tensors=-1)
 
 
