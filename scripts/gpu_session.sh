@@ -1,31 +1,59 @@
 #!/usr/bin/env bash
 # The one prepared script for a GPU session's device call, in the order the open issues ask:
-# the speed section, the nccl section, the memory estimator against the allocator (issue 42's
-# single-GPU rows, now with fused AdamW), issue 42's llama3-8b rehearsals (fsdp x64, 3D x512),
-# then an experiment at GPU scale. Run it on the device
-# from a clean, stamped commit (here: `make gpu-stamp && make gpu-wheels`, commit nothing
-# after), carrying `.whl`:
-#   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=560)
-# What comes back under $OUT: the pass's gpu_pass.json/.md/.log and one tarball of the
-# experiment's job records (the device returns at most 8 files, two folders deep). Commit the
-# record under docs/gpu_pass/<date>-<device>-<what>/ and the experiment records with
-# `python -m experiments publish DIR`, then `make gpu-publish`.
-# Limits: speed 240 s + nccl 90 s + estimator 60 s + rehearse 90 s + the experiment part
-# about 70 s, inside 560 s.
+# the speed section (issue 39), the nccl section, the memory estimator against the allocator
+# (issue 42's single-GPU rows), issue 42's llama3-8b rehearsals (fsdp x64, 3D x512), the
+# step's profile before and after the fast path (issue 39), then, with EXPERIMENT_S=N, an
+# experiment at GPU scale (issue 44). Run it on the device from a clean, stamped
+# commit (here: `make gpu-stamp && make gpu-wheels`, commit nothing after), carrying `.whl`:
+#   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=595)
+# What comes back under $OUT: the pass's gpu_pass.json/.md/.log, profiles.tgz (each
+# profile's report and profile.json; not the Chrome traces, which pass the return's 16 MiB)
+# and experiments.tgz (the experiment's job records). Commit the pass's record under
+# docs/gpu_pass/<date>-<device>-<what>/, the profiles beside it, and the experiment records
+# with `python -m experiments publish DIR`, then `make gpu-publish`.
+# Limits: speed 245 s, nccl 80 s, estimator 55 s, rehearse 80 s, then the four profiles
+# (30 s each at most) up to 585 s from the start; EXPERIMENT_S=N (default 0) adds the experiment.
 set -u
 out=${OUT:?the device tool sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1
-python3 -m benchmarks.gpu_pass --only speed,nccl,estimator,rehearse --limit speed=240 \
-    --limit nccl=90 --limit estimator=60 --limit rehearse=90 --out "$out/pass"
+python3 -m benchmarks.gpu_pass --only speed,nccl,estimator,rehearse --limit speed=245 \
+    --limit nccl=80 --limit estimator=55 --limit rehearse=80 --out "$out/pass"
+
+# The step under torch.profiler (benchmarks/profile_step), eager, at the speed section's
+# shapes: "before" is the step without the fast path's choices (attention=sdpa, the plain
+# loss of fp32 logits, the unpadded vocabulary, no prefetch), "after" with them (attention
+# auto, Liger's fused loss, the vocabulary padded to 128, two batches read ahead).
+gpt2="model=gpt2-small model.vocab_size=50257 train.micro_batch_size=16 data.seq_len=1024"
+llama="model=llama-1b model.n_layers=4 model.vocab_size=128256 train.micro_batch_size=4 data.seq_len=2048"
+before="attention=sdpa train.fused_loss=off model.vocab_multiple=1 data.prefetch=0"
+after="attention=auto train.fused_loss=liger model.vocab_multiple=128 data.prefetch=2"
+# Each gets 30 s at most, and none runs past 585 s from the script's start.
+for shape in gpt2 llama; do
+    for when in after before; do
+        limit=$(( 585 - SECONDS < 30 ? 585 - SECONDS : 30 ))
+        [ "$limit" -ge 10 ] || { echo "profile $shape $when: not run, past 585 s"; continue; }
+        # shellcheck disable=SC2086 # the overrides are words
+        timeout "$limit" python3 -m benchmarks.profile_step ${!shape} ${!when} logger=none \
+            --out "/tmp/profiles/$shape-$when" > "/tmp/profiles-$shape-$when.md" 2>&1
+        echo "profile $shape $when: exit $?"
+        mkdir -p "/tmp/profiles/$shape-$when"
+        mv "/tmp/profiles-$shape-$when.md" "/tmp/profiles/$shape-$when/stdout.md"
+        rm -f "/tmp/profiles/$shape-$when/trace.json"
+    done
+done
+tar czf "$out/profiles.tgz" -C /tmp/profiles .
+
+experiment_s=${EXPERIMENT_S:-0}
+[ "$experiment_s" -gt 0 ] || exit 0
 # GPU_PART=P runs one part (`python -m experiments list --gpu` lists them); the committed
 # records folder, where there is one, is resumed, so each session adds the jobs still missing.
 experiment=${GPU_EXPERIMENT:-activation_recompute}
 part=${GPU_PART:+part=$GPU_PART}
 records=docs/experiments/${experiment}_gpu
-resume=()
-[ -f "$records/plan.json" ] && resume=(--resume "$records")
-timeout 70 python3 -m experiments run "$experiment" scale=gpu $part logger=none \
-    --out "/tmp/experiments/${experiment}_gpu" ${resume[@]+"${resume[@]}"}
+exp_resume=()
+[ -f "$records/plan.json" ] && exp_resume=(--resume "$records")
+timeout "$experiment_s" python3 -m experiments run "$experiment" scale=gpu $part logger=none \
+    --out "/tmp/experiments/${experiment}_gpu" ${exp_resume[@]+"${exp_resume[@]}"}
 tar czf "$out/experiments.tgz" -C /tmp/experiments .
