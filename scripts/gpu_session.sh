@@ -12,7 +12,8 @@
 # docs/gpu_pass/<date>-<device>-<what>/, the profiles beside it, and the experiment records
 # with `python -m experiments publish DIR`, then `make gpu-publish`.
 # Limits: speed 245 s, nccl 80 s, estimator 55 s, rehearse 80 s, then the four profiles
-# (30 s each at most) up to 585 s from the start; EXPERIMENT_S=N (default 0) adds the experiment.
+# (30 s each for gpt2-small, 50 for llama-1b, at most) up to 585 s from the start;
+# EXPERIMENT_S=N (default 0) adds the experiment.
 set -u
 out=${OUT:?the device tool sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -21,29 +22,8 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE
 python3 -m benchmarks.gpu_pass --only speed,nccl,estimator,rehearse --limit speed=245 \
     --limit nccl=80 --limit estimator=55 --limit rehearse=80 --out "$out/pass"
 
-# The step under torch.profiler (benchmarks/profile_step), eager, at the speed section's
-# shapes: "before" is the step without the fast path's choices (attention=sdpa, the plain
-# loss of fp32 logits, the unpadded vocabulary, no prefetch), "after" with them (attention
-# auto, Liger's fused loss, the vocabulary padded to 128, two batches read ahead).
-gpt2="model=gpt2-small model.vocab_size=50257 train.micro_batch_size=16 data.seq_len=1024"
-llama="model=llama-1b model.n_layers=4 model.vocab_size=128256 train.micro_batch_size=4 data.seq_len=2048"
-before="attention=sdpa train.fused_loss=off model.vocab_multiple=1 data.prefetch=0"
-after="attention=auto train.fused_loss=liger model.vocab_multiple=128 data.prefetch=2"
-# Each gets 30 s at most, and none runs past 585 s from the script's start.
-for shape in gpt2 llama; do
-    for when in after before; do
-        limit=$(( 585 - SECONDS < 30 ? 585 - SECONDS : 30 ))
-        [ "$limit" -ge 10 ] || { echo "profile $shape $when: not run, past 585 s"; continue; }
-        # shellcheck disable=SC2086 # the overrides are words
-        timeout "$limit" python3 -m benchmarks.profile_step ${!shape} ${!when} logger=none \
-            --out "/tmp/profiles/$shape-$when" > "/tmp/profiles-$shape-$when.md" 2>&1
-        echo "profile $shape $when: exit $?"
-        mkdir -p "/tmp/profiles/$shape-$when"
-        mv "/tmp/profiles-$shape-$when.md" "/tmp/profiles/$shape-$when/stdout.md"
-        rm -f "/tmp/profiles/$shape-$when/trace.json"
-    done
-done
-tar czf "$out/profiles.tgz" -C /tmp/profiles .
+# The step's profile before and after the fast path (scripts/gpu_profiles.sh).
+SECONDS_AT_START=$SECONDS bash scripts/gpu_profiles.sh "$out" 585
 
 experiment_s=${EXPERIMENT_S:-0}
 [ "$experiment_s" -gt 0 ] || exit 0

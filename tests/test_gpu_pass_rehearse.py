@@ -87,3 +87,11 @@ def test_the_gpu_cases_are_the_issues_sizes():
     assert {"parallelism.tp_size=8", "parallelism.pp_size=8", "parallelism.dp_size=8"} <= set(
         three_d
     )
+
+
+def test_a_failed_rehearsal_says_its_error_not_hydras_hint():
+    traceback = "Traceback (most recent call last):\n  File x\nRuntimeError: fake pg: no shutdown\n"
+    assert section.failure(traceback) == "RuntimeError: fake pg: no shutdown"
+    ours = "step 1/4\nerror: gradients were not finite 3 steps in a row; lower optimizer.lr\n"
+    assert section.failure(ours + "W1128 a warning after it\n").startswith("error: gradients")
+    assert section.failure("") == "no output"

@@ -12,7 +12,7 @@ import torch
 from helpers import compose_config, one_line, small_run_overrides
 
 from benchmarks.profile_step import profile_step
-from benchmarks.profile_step.analyse import gpu_times, split
+from benchmarks.profile_step.analyse import gpu_times, launch_links, split
 from benchmarks.profile_step.host_reads import READS, HostReads
 from benchmarks.profile_step.rules import categorise
 from benchmarks.profile_step.run import refuse_multi_rank
@@ -88,30 +88,43 @@ def test_every_read_reaches_the_counter_on_cpu():
 
 
 def _event(name, start, end, *, parent=None, cuda=False, linked=0, ident=0):
-    return SimpleNamespace(
+    """A FunctionEvent as torch 2.11 makes it (no linked_correlation_id), and its raw
+    kineto event, which holds the link."""
+    device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    raw = SimpleNamespace(
+        device_type=lambda: device,
+        correlation_id=lambda: ident,
+        linked_correlation_id=lambda: linked,
+        name=lambda: name,
+    )
+    return raw, SimpleNamespace(
         name=name,
         id=ident,
-        linked_correlation_id=linked,
         cpu_parent=parent,
         is_user_annotation=name in ("forward", "optimizer"),
-        device_type=torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU,
+        device_type=device,
         time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start),
     )
 
 
 def test_gpu_split_shares_overlap_and_leaves_the_rest_idle():
-    forward = _event("forward", 0, 100)
-    mm = _event("aten::mm", 0, 10, parent=forward, ident=7)
+    forward = _event("forward", 0, 100, ident=1)
+    mm = _event("aten::mm", 0, 10, parent=forward[1], ident=7)
     step = _event("Optimizer.step#AdamW.step", 50, 90, ident=8)
-    events = [
+    # The runtime's launch call shares the optimizer step's id (another id space) but is
+    # linked to an op: it is not taken for the op that launched a kernel.
+    launch = _event("cudaLaunchKernel", 60, 61, ident=7, linked=8)
+    raw, events = zip(
         forward,
         mm,
         step,
-        _event("sm90_gemm", 0, 400, cuda=True, linked=7),
-        _event("ncclDevKernel_AllReduce", 200, 600, cuda=True, linked=9),
-        _event("multi_tensor_apply_kernel", 700, 800, cuda=True, linked=8),
-    ]
-    by_kernel, by_category = gpu_times(events)
+        launch,
+        _event("sm90_gemm", 0, 400, cuda=True, linked=7, ident=101),
+        _event("ncclDevKernel_AllReduce", 200, 600, cuda=True, linked=9, ident=102),
+        _event("multi_tensor_apply_kernel", 700, 800, cuda=True, linked=8, ident=103),
+        strict=True,
+    )
+    by_kernel, by_category = gpu_times(list(events), launch_links(raw))
     assert by_kernel["sm90_gemm"] == pytest.approx(400e-6)
     # 200..400 us both run: each takes half of it.
     assert by_category == pytest.approx(

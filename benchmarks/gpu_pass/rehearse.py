@@ -15,6 +15,7 @@ is no allocator and no workspace, at llama3-8b's proportions (``SMALL_LLAMA``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,15 @@ def estimate_for(work: Path, case: Case, dry: bool):
     return estimate(cfg, model_args_for(cfg, vocab_size=tokenizer_vocab_size(cfg)))
 
 
+def failure(output: str) -> str:
+    """What a failed rehearsal said: our one-line ``error:``, else the traceback's last line
+    (HYDRA_FULL_ERROR=1 keeps Hydra from putting its hint there instead), at most 600
+    characters."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("error: ")]
+    return (said or lines or ["no output"])[-1][:600]
+
+
 def rehearse_rank(work: Path, case: Case, rank: int, dry: bool, timeout_s: float) -> dict:
     """``python -m llm.rehearse`` for ``rank`` of the case, in a process of its own."""
     out = work / case.name.replace(" ", "_")
@@ -100,10 +110,11 @@ def rehearse_rank(work: Path, case: Case, rank: int, dry: bool, timeout_s: float
             f"rehearse.json={out / 'rehearse.json'}", f"hydra.run.dir={out}",
         ],
         capture_output=True, text=True, timeout=timeout_s, check=False,
+        env={**os.environ, "HYDRA_FULL_ERROR": "1"},
     )  # fmt: skip
     if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"llm.rehearse exited {done.returncode}: {tail[0][:300]}")
+        said = failure(done.stdout + "\n" + done.stderr)
+        raise RuntimeError(f"llm.rehearse exited {done.returncode}: {said}")
     return json.loads((out / "rehearse.json").read_text())
 
 

@@ -60,9 +60,25 @@ def _kernels(events) -> list:
     return [e for e in events if e.device_type == DeviceType.CUDA]
 
 
-def _launcher_names(kernel, ops_by_id: dict) -> list[str]:
+def launch_links(raw_events) -> tuple[dict[int, int], set[tuple[int, str]]]:
+    """From the profiler's raw (kineto) events: each device kernel's correlation id -> the id
+    of the op that launched it, and the (id, name) of each op called from the host side
+    (linked id 0). torch 2.13's FunctionEvent carries the link as ``linked_correlation_id``;
+    torch 2.11's (the GPU machines') does not, so both read it here:
+    ``prof.profiler.kineto_results.events()``."""
+    launched_by: dict[int, int] = {}
+    host_ops: set[tuple[int, str]] = set()
+    for e in raw_events:
+        if e.device_type() == DeviceType.CUDA:
+            launched_by[e.correlation_id()] = e.linked_correlation_id()
+        elif e.device_type() == DeviceType.CPU and e.linked_correlation_id() == 0:
+            host_ops.add((e.correlation_id(), e.name()))
+    return launched_by, host_ops
+
+
+def _launcher_names(kernel, ops_by_id: dict, launched_by: dict[int, int]) -> list[str]:
     """The kernel's name, then the op that launched it and those enclosing that op."""
-    return [kernel.name, *enclosing(ops_by_id.get(kernel.linked_correlation_id))]
+    return [kernel.name, *enclosing(ops_by_id.get(launched_by.get(kernel.id)))]
 
 
 def _exclusive_seconds(kernels: list) -> list[float]:
@@ -85,17 +101,19 @@ def _exclusive_seconds(kernels: list) -> list[float]:
     return share
 
 
-def gpu_times(events) -> tuple[dict[str, float], dict[str, float]]:
-    """(seconds per kernel name, exclusive seconds per category) on the device."""
+def gpu_times(events, links) -> tuple[dict[str, float], dict[str, float]]:
+    """(seconds per kernel name, exclusive seconds per category) on the device; ``links``:
+    launch_links of the same profile."""
+    launched_by, host_ops = links
     kernels = _kernels(events)
     ops_by_id = {
-        e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0
+        e.id: e for e in events if e.device_type == DeviceType.CPU and (e.id, e.name) in host_ops
     }
     by_op: dict[str, float] = defaultdict(float)
     by_category: dict[str, float] = defaultdict(float)
     for kernel, seconds in zip(kernels, _exclusive_seconds(kernels), strict=True):
         by_op[kernel.name] += kernel.time_range.elapsed_us() / 1e6
-        by_category[categorise(_launcher_names(kernel, ops_by_id), True)] += seconds
+        by_category[categorise(_launcher_names(kernel, ops_by_id, launched_by), True)] += seconds
     return dict(by_op), dict(by_category)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .analyse import cpu_times, gpu_times, phases, split, top
+from .analyse import cpu_times, gpu_times, launch_links, phases, split, top
 from .rules import LABELS
 
 
@@ -18,7 +18,11 @@ def figures(windows, overrides: list[str], summary: dict) -> dict:
     """Everything the report shows, from the stopped profiler and the counter."""
     on_gpu = windows.device.type == "cuda"
     events = windows.prof.events()
-    by_op, by_category = gpu_times(events) if on_gpu else cpu_times(events)
+    if on_gpu:
+        raw = windows.prof.profiler.kineto_results.events()
+        by_op, by_category = gpu_times(events, launch_links(raw))
+    else:
+        by_op, by_category = cpu_times(events)
     wall = windows.wall_s
     plan = windows.plan
     return {

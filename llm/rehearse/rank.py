@@ -45,7 +45,8 @@ def refusal(cfg: Config) -> str | None:
 def rehearsal_config(cfg: Config) -> Config:
     """``cfg`` as one rank of ``rehearse.world_size`` runs it here: rehearse.steps steps with
     probes (the peak tracker, comm counting) and timed steps alternating, no checkpoints,
-    no W&B, the data cache's path absolute as the launcher makes it."""
+    no W&B, no stop for non-finite gradients, the data cache's path absolute as the launcher
+    makes it."""
     r = cfg.rehearse
     if r.world_size is None:
         raise ConfigError(
@@ -66,6 +67,9 @@ def rehearsal_config(cfg: Config) -> Config:
             memory_tracking="alternate",
             eval_every=r.steps + 1,
         ),
+        # The fake group's collectives leave their outputs as allocated (uninitialised), so
+        # a gradient may come out inf or NaN: a rehearsal never stops for it.
+        precision=dataclasses.replace(cfg.precision, max_overflows_at_min_scale=r.steps + 1),
         data=dataclasses.replace(cfg.data, cache_dir=str(Path(cfg.data.cache_dir).resolve())),
         output_dir=str(Path(cfg.output_dir).resolve()),
     )
