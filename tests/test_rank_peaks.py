@@ -38,3 +38,17 @@ def test_an_unknown_phase_is_named():
     with pytest.raises(ValueError, match=r"'warmup' is not in rank_peaks\.STEP_PHASES"):
         own_rows(peak, None, 0, 1, CPU)
     assert "forward" in STEP_PHASES
+
+
+def test_a_rehearsed_rank_stands_for_every_rank(monkeypatch):
+    """The fake group's all-reduce hands back this rank's row alone: every rank reads it, so
+    the step's figures (on CUDA, the max of the allocator peaks) meet no None."""
+    import llm.train.rank_peaks as rank_peaks
+
+    world, rank = 4, 2
+    own = (_peak(5, "backward"), 3 * 2**30)
+    alone = own_rows(*own, rank, world, CPU).tolist()
+    assert read_rows(alone, world)[0] == (None, None)  # outside a rehearsal: no peak there
+    monkeypatch.setattr(rank_peaks, "rehearsing", lambda: True)
+    monkeypatch.setattr(rank_peaks, "global_rank", lambda: rank)
+    assert read_rows(alone, world) == [own] * world

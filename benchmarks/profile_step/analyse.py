@@ -57,7 +57,9 @@ def cpu_times(events) -> tuple[dict[str, float], dict[str, float]]:
 
 
 def _kernels(events) -> list:
-    return [e for e in events if e.device_type == DeviceType.CUDA]
+    """The device's kernels (and copies): not the scopes' device-side spans, which torch
+    2.11 lists as CUDA events too."""
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
 
 
 def launch_links(raw_events) -> tuple[dict[int, int], set[tuple[int, str]]]:

@@ -3,7 +3,9 @@ figures), trace.json (Chrome trace) and key_averages.txt (the profiler's own tab
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import json
 import os
 from pathlib import Path
@@ -14,15 +16,28 @@ from .analyse import cpu_times, gpu_times, launch_links, phases, split, top
 from .rules import LABELS
 
 
+@contextlib.contextmanager
+def _collections_paused():
+    """The profiler's parse makes an object per event, hundreds of thousands on a GPU:
+    the collections they set off scan them all again and again (an H200 profile of
+    gpt2-small was still parsing after 30 s, in a collection)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def figures(windows, overrides: list[str], summary: dict) -> dict:
     """Everything the report shows, from the stopped profiler and the counter."""
     on_gpu = windows.device.type == "cuda"
-    events = windows.prof.events()
-    if on_gpu:
-        raw = windows.prof.profiler.kineto_results.events()
-        by_op, by_category = gpu_times(events, launch_links(raw))
-    else:
-        by_op, by_category = cpu_times(events)
+    with _collections_paused():
+        events = windows.prof.events()
+        if on_gpu:
+            raw = windows.prof.profiler.kineto_results.events()
+            by_op, by_category = gpu_times(events, launch_links(raw))
+        else:
+            by_op, by_category = cpu_times(events)
     wall = windows.wall_s
     plan = windows.plan
     return {

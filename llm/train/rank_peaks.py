@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from llm.memory.peak import CATEGORIES, LABELLED, MOST
+from llm.parallel.dist import global_rank, rehearsing
 
 # The phases of a training step (llm/train/trainer.py names them): a peak's phase travels
 # as its index here.
@@ -42,7 +43,14 @@ def own_rows(
 
 
 def read_rows(summed: list[float], world: int) -> list[tuple[dict | None, int | None]]:
-    """(peak, CUDA peak) per rank from the summed rows, as ``own_rows`` took them."""
+    """(peak, CUDA peak) per rank from the summed rows, as ``own_rows`` took them. In a
+    rehearsal every rank is taken to hold this rank's row, as ``gather_object`` takes its
+    value: the fake group's all-reduce adds nothing from other ranks, whose rows stay
+    zeros (no peak), and on CUDA the step's ``max`` of the allocator peaks met None."""
+    if rehearsing():
+        rank = global_rank()
+        own = summed[rank * FIELDS : (rank + 1) * FIELDS]
+        summed = own * world
     out = []
     for rank in range(world):
         row = summed[rank * FIELDS : (rank + 1) * FIELDS]
