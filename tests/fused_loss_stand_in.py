@@ -12,10 +12,15 @@ import torch
 import torch.nn.functional as F
 
 
-def _reference(e, c, targets, ignore_index: int, reduction: str) -> torch.Tensor:
-    return F.cross_entropy(
-        (e @ c.T).float(), targets, ignore_index=ignore_index, reduction=reduction
-    )
+def _reference(e, c, targets, ignore_index: int, reduction: str, bias=None) -> torch.Tensor:
+    logits = e @ c.T if bias is None else e @ c.T + bias
+    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def _lowest_from(bias: torch.Tensor) -> int | None:
+    """The first id whose bias is the dtype's lowest value (a padded head's), or None."""
+    lowest = (bias == torch.finfo(bias.dtype).min).nonzero()
+    return None if lowest.numel() == 0 else int(lowest[0])
 
 
 def liger(calls: list) -> dict[str, types.ModuleType]:
@@ -34,10 +39,13 @@ def liger(calls: list) -> dict[str, types.ModuleType]:
             self.accum_dtype = accum_dtype
 
         def forward(self, lin_weight, _input, target, bias=None):
-            # Its kernel: _input (BT, H) @ lin_weight (V, H).T, one dtype, target (BT,).
-            assert _input.dim() == 2 and lin_weight.dim() == 2 and bias is None
+            # Its kernel: _input (BT, H) @ lin_weight (V, H).T (+ bias (V,)), one dtype,
+            # target (BT,).
+            assert _input.dim() == 2 and lin_weight.dim() == 2
             assert _input.size(1) == lin_weight.size(1) and _input.dtype == lin_weight.dtype
             assert target.shape == (_input.size(0),) and target.dtype == torch.int64
+            if bias is not None:
+                assert bias.shape == (lin_weight.size(0),) and bias.dtype == _input.dtype
             calls.append(
                 {
                     "input": (tuple(_input.shape), _input.dtype),
@@ -45,9 +53,10 @@ def liger(calls: list) -> dict[str, types.ModuleType]:
                     "ignore_index": self.ignore_index,
                     "reduction": self.reduction,
                     "accum_dtype": self.accum_dtype,
+                    "bias_lowest_from": None if bias is None else _lowest_from(bias),
                 }
             )
-            return _reference(_input, lin_weight, target, self.ignore_index, self.reduction)
+            return _reference(_input, lin_weight, target, self.ignore_index, self.reduction, bias)
 
     transformers = types.ModuleType("liger_kernel.transformers")
     transformers.LigerFusedLinearCrossEntropyLoss = LigerFusedLinearCrossEntropyLoss

@@ -219,6 +219,7 @@ def test_liger_adapter_hands_liger_what_it_expects(monkeypatch, precision):
         "ignore_index": IGNORE,
         "reduction": "sum",
         "accum_dtype": torch.float32,
+        "bias_lowest_from": None,
     }
     assert got.dtype == torch.float32 and got.dim() == 0
     tol = FP32 if precision == torch.float32 else BF16

@@ -416,7 +416,7 @@ def test_publish_over_every_committed_record_runs_clean_and_matches_the_docs(tmp
     section none holds is pending. The docs as committed are its output."""
     shutil.copytree(REPO / "docs", tmp_path / "docs")
     records = publish.committed(tmp_path)
-    assert records and [r.name for r in records] == sorted(r.name for r in records)
+    assert records and [r.name[:10] for r in records] == sorted(r.name[:10] for r in records)
     pages = publish.publish(records, root=tmp_path, pending=True)
     assert set(pages) == {publish.PAGES[s.name] for s in SECTIONS}
     for page in pages:
@@ -424,6 +424,20 @@ def test_publish_over_every_committed_record_runs_clean_and_matches_the_docs(tmp
     for record in records:  # each names its commit, or says it is unknown
         prov = load(record)["provenance"]
         assert prov["dirty"] is False or (prov["sha"] is None and prov["note"]), record
+
+
+def test_records_of_one_day_publish_in_their_commits_order(tmp_path):
+    """Within a day the commit decides, not the folder's name: "a" ran from HEAD, "b" from
+    no named commit (as the first records), so "b" is the older."""
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    gpu_pass = tmp_path / "docs/gpu_pass"
+    _record(gpu_pass / "2026-01-01-a", {"attention": [1]}, sha=head, dirty=False)
+    _record(gpu_pass / "2026-01-01-b", {"attention": [2]}, sha=None, dirty=False)
+    _record(gpu_pass / "2025-12-31-z", {"attention": [3]}, sha=head, dirty=False)
+    names = [r.name for r in publish.committed(tmp_path)]
+    assert names == ["2025-12-31-z", "2026-01-01-b", "2026-01-01-a"]
 
 
 def test_publish_with_no_record_of_a_section_leaves_it_pending(tmp_path):

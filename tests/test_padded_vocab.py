@@ -6,6 +6,7 @@ and an HF export with the tokenizer's vocabulary."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from llm.errors import ConfigError
 from llm.models import MODEL_SHAPES, build_model, materialize, to_hf
 from llm.parallel.tensor_parallel import padded_vocab
 from llm.train.loss import head_loss
+from tests import fused_loss_stand_in
 
 REAL, MULTIPLE = 250, 64  # padded to 256 rows: 6 padded ids
 FP32 = 1e-5  # relative (norm of the difference), fp32: the head has 256 columns, not 250
@@ -59,8 +61,15 @@ def test_padding_rounds_up_to_the_multiple_and_keeps_the_real_vocabulary():
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
-@pytest.mark.parametrize("fused", ["off", "chunked"])
-def test_a_padded_model_has_the_loss_and_gradients_of_the_unpadded_one(name, fused):
+@pytest.mark.parametrize("fused", ["off", "chunked", "liger", "cce"])
+def test_a_padded_model_has_the_loss_and_gradients_of_the_unpadded_one(name, fused, monkeypatch):
+    """liger and cce through their stand-ins (tests/fused_loss_stand_in.py): Liger is handed
+    the whole padded head, aligned for the GEMMs, with the lowest bias on the padded ids;
+    cut-cross-entropy, which takes no bias, the real rows."""
+    calls: list = []
+    if fused in ("liger", "cce"):
+        for module, stand_in in getattr(fused_loss_stand_in, fused)(calls).items():
+            monkeypatch.setitem(sys.modules, module, stand_in)
     plain, padded = _pair(name)
     x, y = _batch()
     want = _plain_loss(plain, x, y)
@@ -69,7 +78,11 @@ def test_a_padded_model_has_the_loss_and_gradients_of_the_unpadded_one(name, fus
         assert logits.shape[-1] == 256 and torch.isneginf(logits[..., REAL:]).all()
         got = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
     else:
-        got = padded(x, head=head_loss("chunked", y, chunk=7))
+        got = padded(x, head=head_loss(fused, y, chunk=7))
+    if fused == "liger":
+        assert calls[0]["weight"][0][0] == 256 and calls[0]["bias_lowest_from"] == REAL
+    if fused == "cce":
+        assert calls[0]["c"][0][0] == REAL
     want.backward()
     got.backward()
     assert got.item() == pytest.approx(want.item(), rel=FP32)

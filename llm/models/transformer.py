@@ -113,8 +113,8 @@ class Transformer(nn.Module):
         """input_ids (B, T) int64 -> logits (B, T, V) in the compute dtype (the trainer upcasts
         for the loss, so fp32 logits are not materialised twice). ``doc_ids`` (B, T): the
         packed document of each token; given, attention stays inside documents. ``head``:
-        returns ``head(hidden (B, T, d) after the final norm, output.weight (V, d))`` in
-        place of the logits (a fused loss, llm/train/loss.py); called here, inside forward,
+        returns ``head(hidden (B, T, d) after the final norm, output.weight (V, d), the
+        tokenizer's vocabulary where V is padded past it, else None)`` in place of the logits (a fused loss, llm/train/loss.py); called here, inside forward,
         so that wrappers gathering or hooking parameters around forward (FSDP2's root, our
         ZeRO-3, DDP) see the head weight used as the output projection would use it."""
         t = input_ids.size(1)
@@ -135,8 +135,9 @@ class Transformer(nn.Module):
             h = layer(h, docs, positions)
         h = self.norm(h)
         if head is not None:
-            # The fused loss sees the real tokens' rows only: padding takes no probability.
-            return head(h, self.output.weight[: self.args.real_vocab_size])
+            # The whole (padded) head, aligned for the GEMMs; the loss keeps the padded ids'
+            # probability at 0 (llm/train/loss.py).
+            return head(h, self.output.weight, self.args.true_vocab_size)
         return mask_padded_vocab(self.output(h), self.args)  # (B, T, V)
 
 

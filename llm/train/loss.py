@@ -34,7 +34,9 @@ PACKAGES = {
     "cce": ("cut_cross_entropy", "cut-cross-entropy"),
 }
 
-HeadLoss = Callable[[Tensor, Tensor], Tensor]
+# head(hidden (B, T, d), weight (V, d), real): ``real`` is the tokenizer's vocabulary where
+# the head is padded past it (model.vocab_multiple), else None.
+HeadLoss = Callable[[Tensor, Tensor, int | None], Tensor]
 
 
 def unavailable(name: str, device: torch.device) -> str | None:
@@ -69,11 +71,17 @@ def compute_dtype(weight: Tensor) -> torch.dtype:
 
 
 def _chunks(
-    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, grads: tuple[bool, bool]
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    chunk: int,
+    grads: tuple[bool, bool],
+    real: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The summed cross-entropy of ``hidden`` (N, d) @ ``weight`` (V, d).T against
     ``targets`` (N,), ``chunk`` rows at a time; with ``grads`` (for hidden, for weight) also
-    its gradients: (N, d) in hidden's dtype and (V, d) accumulated in fp32."""
+    its gradients: (N, d) in hidden's dtype and (V, d) accumulated in fp32. Columns from
+    ``real`` on (a padded vocabulary) are -inf: no probability, zero gradient."""
     dtype = compute_dtype(weight)
     w = weight.to(dtype)  # (V, d): one copy when autocast changes the dtype
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -86,6 +94,8 @@ def _chunks(
             h = hidden[rows].to(dtype)  # (c, d)
             y = targets[rows]  # (c,)
             logits = (h @ w.T).float()  # (c, V) fp32: a fresh tensor, changed in place below
+            if real is not None:
+                logits[:, real:] = float("-inf")
             valid = y != IGNORE
             picked = y.masked_fill(~valid, 0).unsqueeze(1)  # (c, 1): any index for padding
             lse = torch.logsumexp(logits, dim=1)  # (c,)
@@ -113,9 +123,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     would keep nothing extra but run the head's (N, d) x (d, V) matmul a fourth time."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, real: int | None
+    ) -> Tensor:
         loss, grad_hidden, grad_weight = _chunks(
-            hidden, weight, targets, chunk, ctx.needs_input_grad[:2]
+            hidden, weight, targets, chunk, ctx.needs_input_grad[:2], real
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -128,40 +140,55 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def chunked_linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, real: int | None = None
 ) -> Tensor:
     """Summed token cross-entropy (0-d fp32) of ``hidden`` (..., d) through the head
-    ``weight`` (V, d) against ``targets`` (...); never more than ``chunk`` rows of logits."""
+    ``weight`` (V, d) against ``targets`` (...); never more than ``chunk`` rows of logits;
+    ids from ``real`` on (a padded vocabulary) take no probability."""
     hidden, targets = hidden.flatten(0, -2), targets.flatten()
     if not torch.is_grad_enabled():  # evaluation: no gradient to compute in the forward
-        return _chunks(hidden, weight, targets, chunk, (False, False))[0]
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk)
+        return _chunks(hidden, weight, targets, chunk, (False, False), real)[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk, real)
 
 
-def liger_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+def liger_linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, real: int | None = None
+) -> Tensor:
     """Liger-Kernel's fused linear cross-entropy, summed; the gradient of the weight
-    accumulated in fp32 across its chunks (``accum_dtype``)."""
+    accumulated in fp32 across its chunks (``accum_dtype``). A padded head is handed whole,
+    with a bias of the dtype's lowest value on the ids from ``real`` on: their
+    probabilities underflow to exactly 0, and the logits' rows keep the padded width, whose
+    multiple of 128 the GEMMs need for Hopper's kernels (sliced to 50,257 columns, cuBLAS
+    ran sm75 kernels for the head: docs/benchmarks.md)."""
     liger = importlib.import_module(PACKAGES["liger"][0])
     dtype = compute_dtype(weight)
     loss = liger.LigerFusedLinearCrossEntropyLoss(
         ignore_index=IGNORE, reduction="sum", accum_dtype=torch.float32
     )
+    bias = None
+    if real is not None:
+        bias = torch.zeros(weight.size(0), dtype=dtype, device=weight.device)
+        bias[real:] = torch.finfo(dtype).min
     # Its kernel multiplies (B*T, d) by (V, d).T as given: both in the compute dtype.
-    return loss(weight.to(dtype), hidden.flatten(0, -2).to(dtype), targets.flatten())
+    return loss(weight.to(dtype), hidden.flatten(0, -2).to(dtype), targets.flatten(), bias)
 
 
-def cce_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+def cce_linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, real: int | None = None
+) -> Tensor:
     """Apple's cut-cross-entropy, summed. Its default gradient filter (``filter_eps``) stays
-    on: it skips softmax entries below the compute dtype's eps / 32, under bf16's error."""
+    on: it skips softmax entries below the compute dtype's eps / 32, under bf16's error. It
+    takes no bias, so a padded head is handed its real rows only (its Triton kernels load
+    tiles with masks, not cuBLAS's aligned GEMMs)."""
     cce = importlib.import_module(PACKAGES["cce"][0])
     dtype = compute_dtype(weight)
     return cce.linear_cross_entropy(
         hidden.flatten(0, -2).to(dtype),
-        weight.to(dtype),
+        weight[:real].to(dtype),
         targets.flatten(),
         ignore_index=IGNORE,
         reduction="sum",
@@ -169,21 +196,24 @@ def cce_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor) ->
 
 
 @torch.compiler.disable
-def _fused(name: str, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+def _fused(
+    name: str, hidden: Tensor, weight: Tensor, real: int | None, targets: Tensor, chunk: int
+) -> Tensor:
     """Eager under train.compile too (one graph break at the head): the chunk loop would
     unroll into the graph, and the libraries' kernels are Triton already."""
     if name == "chunked":
-        return chunked_linear_cross_entropy(hidden, weight, targets, chunk)
+        return chunked_linear_cross_entropy(hidden, weight, targets, chunk, real)
     if name == "liger":
-        return liger_linear_cross_entropy(hidden, weight, targets)
-    return cce_linear_cross_entropy(hidden, weight, targets)
+        return liger_linear_cross_entropy(hidden, weight, targets, real)
+    return cce_linear_cross_entropy(hidden, weight, targets, real)
 
 
 def head_loss(name: str, targets: Tensor, chunk: int) -> HeadLoss:
-    """``head(hidden (B, T, d), weight (V, d)) -> summed loss`` for ``train.fused_loss=name``
-    (not off), which the model calls in place of its output projection."""
+    """``head(hidden (B, T, d), weight (V, d), real) -> summed loss`` for
+    ``train.fused_loss=name`` (not off), which the model calls in place of its output
+    projection; ``real``: the vocabulary a padded head covers (None: all of it)."""
 
-    def head(hidden: Tensor, weight: Tensor) -> Tensor:
-        return _fused(name, hidden, weight, targets, chunk)
+    def head(hidden: Tensor, weight: Tensor, real: int | None) -> Tensor:
+        return _fused(name, hidden, weight, real, targets, chunk)
 
     return head
