@@ -6,8 +6,8 @@ pass's tables into the docs, each in place of its block
     <!-- /gpu-pass:SECTION -->
 
 in the page ``PAGES`` names, dated, with the device, the record and its commit named.
-Without ``--out`` it reads every record committed under docs/gpu_pass/ (oldest first, by
-folder name) and a section none of them holds is "pending"; with ``--out`` only the records
+Without ``--out`` it reads every record committed under docs/gpu_pass/ (oldest first: by
+the date its folder's name begins with, then by its commit's time) and a section none of them holds is "pending"; with ``--out`` only the records
 named (two parts run apart, or a rerun of one section), and the other blocks stay as they
 are. Records are read in order: a section's entry from a later record replaces an earlier
 one's, unless the later one has no rows and the earlier one has.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 from pathlib import Path
 
 from benchmarks.gpu_pass.report import commit_line, load, section_markdown
@@ -52,8 +53,23 @@ PENDING = (
 
 
 def committed(root: Path = REPO) -> list[Path]:
-    """Every record under docs/gpu_pass/, oldest first (the folders are named by date)."""
-    return sorted(p.parent for p in (root / RECORDS).glob("*/gpu_pass.json"))
+    """Every record under docs/gpu_pass/, oldest first: by the date that begins its folder's
+    name, then, within a day, by the time of the commit it ran from (a record that names
+    none, or whose commit git does not know, first), then by name."""
+    records = [p.parent for p in (root / RECORDS).glob("*/gpu_pass.json")]
+    return sorted(records, key=lambda d: (d.name[:10], _commit_time(d), d.name))
+
+
+def _commit_time(record: Path) -> int:
+    """The commit time of the record's commit in this repository's history; 0 for none."""
+    sha = (load(record).get("provenance") or {}).get("sha")
+    if not sha:
+        return 0
+    done = subprocess.run(
+        ["git", "-C", str(REPO), "show", "-s", "--format=%ct", sha],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return int(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip() else 0
 
 
 def _has_rows(entry: dict) -> bool:

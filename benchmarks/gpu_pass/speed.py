@@ -272,7 +272,8 @@ def run(dry: bool) -> Result:
     notes = [
         "ours: the repository's model, attention=auto's pick, the vocabulary padded to a "
         f"multiple of {VOCAB_MULTIPLE} (model.vocab_multiple; the padded logits -inf), eager with "
-        "the fused loss the trainer hands the model as its head, compiled with the plain loss, "
+        "the fused loss the trainer hands the model as its head, compiled with the plain loss "
+        "compiled too (transformers' likewise), "
         "torch's fused AdamW, in a step of this section's (not llm/train's Trainer, which reads "
         "text through a tokenizer); transformers: the same shape, sdpa, the same autocast and "
         "AdamW, fp32 cross-entropy of its logits"

@@ -6,11 +6,13 @@ Ours: the repository's model (llm.models), bf16 autocast, the attention backend 
 multiple of 128 (``model.vocab_multiple``: the head's matmul on tensor-core tiles, the padded
 logits -inf), torch's fused AdamW, and the loss by compile setting: eager, the fused linear
 cross-entropy (llm/train/loss.py, ``train.fused_loss``) called by the model as its head, as
-the trainer calls it; compiled, the plain loss (``train.fused_loss=off``), which Inductor
-fuses with the fp32 upcast (model_step's committed H200 record: ours compiled at 357,832
-tokens/s with it), while the fused losses' Triton kernels stay outside the compiled graph. Transformers: GPT2LMHeadModel or
-LlamaForCausalLM at the same shape (llm.models.hf_config), sdpa attention, the same autocast
-and AdamW, the fp32 cross-entropy of its logits.
+the trainer calls it; compiled, the plain loss (``train.fused_loss=off``), compiled too (as
+the trainer compiles it under ``train.compile``): Inductor fuses the fp32 upcast into the
+log-sum-exp, while the fused losses' Triton kernels would stay outside the compiled graph.
+Transformers: GPT2LMHeadModel or LlamaForCausalLM at the same shape (llm.models.hf_config),
+sdpa attention, the same autocast and AdamW, the fp32 cross-entropy of its logits, compiled
+with the model in a compiled row (as its own loss is when labels go through a compiled
+model). The records of 2026-11-28 (commits 54fb69b, d11afb6) ran that loss eagerly.
 
 Step ``i`` trains on batch ``i`` of the token file. Timed steps are bracketed by device
 syncs and nothing else; the loss is read after them (the loss of the last step, mean per
@@ -120,13 +122,20 @@ def _build(row: Row, dev: torch.device) -> tuple[torch.nn.Module, dict]:
         choice = attention_pick(row.args, dev, row.seq_len)
         args = row.args.padded(VOCAB_MULTIPLE)
         model = materialize(build_model(args, choice.backend, choice.kernel), dev, seed=0)
-        loss, loss_why = ("off", "compiled: the plain loss") if row.compile else fused_loss(dev)
+        loss, loss_why = (
+            ("off", "compiled: the plain loss, compiled") if row.compile else fused_loss(dev)
+        )
         attention = choice.backend + ("" if choice.kernel == "auto" else f":{choice.kernel}")
         return model, {"attention": attention, "loss": loss, "why": [choice.why, loss_why]}
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(hf_config(row.args), attn_implementation="sdpa")
     return model.to(dev), {"attention": "sdpa", "loss": "fp32 logits", "why": []}
+
+
+def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean token cross-entropy of (B, T, V) logits, in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def run_row(row: Row) -> dict:
@@ -138,6 +147,7 @@ def run_row(row: Row) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=dev.type == "cuda")
     step_model = torch.compile(model) if row.compile else model
+    plain_loss = torch.compile(_mean_cross_entropy) if row.compile else _mean_cross_entropy
     shape = (row.warmup + row.steps, row.batch, row.seq_len + 1)
     data = torch.from_numpy(np.load(row.tokens_path).reshape(shape)).to(dev)
     tokens = row.batch * row.seq_len
@@ -152,7 +162,7 @@ def run_row(row: Row) -> dict:
                 extra = {} if row.impl == "ours" else {"use_cache": False}
                 out = step_model(inputs, **extra)
                 logits = out if row.impl == "ours" else out.logits  # (B, T, V)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+                loss = plain_loss(logits, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

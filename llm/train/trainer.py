@@ -16,6 +16,7 @@ A step either probes (runs the memory instruments) or is timed, never both
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 
@@ -66,6 +67,17 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return local_loss(loss)  # tensor parallel: a DTensor, equal on every tp rank
 
 
+def _plain_loss(train) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``_cross_entropy_sum``, compiled as the model is under ``train.compile``: Inductor
+    then reads the compute-dtype logits into the fp32 log-sum-exp in one kernel, where the
+    eager loss writes and reads back an fp32 copy of the (B, T, V) logits and runs the fp32
+    softmax's backward (torchtitan compiles its loss the same way)."""
+    if not train.compile:
+        return _cross_entropy_sum
+    mode = None if train.compile_mode == "default" else train.compile_mode
+    return torch.compile(_cross_entropy_sum, mode=mode)
+
+
 def _on_device(value, device: torch.device) -> torch.Tensor:
     """A 0-d float64 tensor on ``device``; a number is filled in there (a host-to-device copy
     of it would wait for the stream)."""
@@ -114,6 +126,7 @@ class Trainer:
         stop: StopRequested | None = None,
     ) -> None:
         self.cfg = cfg
+        self._plain_loss = _plain_loss(cfg.train)
         # The process's record of stop signals (llm.train.stop.stop_guard); its handlers stay
         # installed after fit() returns, so the final evaluation and save are covered too.
         self.stop = stop
@@ -222,7 +235,7 @@ class Trainer:
     ) -> torch.Tensor:
         t = self.cfg.train
         if t.fused_loss == "off":
-            return _cross_entropy_sum(self._logits(input_ids, doc_ids), targets)
+            return self._plain_loss(self._logits(input_ids, doc_ids), targets)
         # train.fused_loss: the model hands its hidden states and head weight to the loss,
         # which never holds the (B*T, V) fp32 logits at once (llm/train/loss.py).
         head = head_loss(t.fused_loss, targets, t.fused_loss_chunk)
