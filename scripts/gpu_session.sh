@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
-# The one prepared script for a GPU session's device call, in the order the open issues ask:
-# the speed section (issue 39), the nccl section, the memory estimator against the allocator
-# (issue 42's single-GPU rows), issue 42's llama3-8b rehearsals (fsdp x64, 3D x512), the
-# step's profile before and after the fast path (issue 39), then, with EXPERIMENT_S=N, an
-# experiment at GPU scale (issue 44). Run it on the device from a clean, stamped
-# commit (here: `make gpu-stamp && make gpu-wheels`, commit nothing after), carrying `.whl`:
+# The prepared script for a GPU session's device calls, in the order the open issues ask.
+# A session has 15 minutes of device time and one call runs 10 at most, so it is two calls:
+#   PART=1 (default): the speed section (issue 39, 300 s), the llama3-8b rehearsals (issue
+#     42, 80 s), then the step's profiles before and after the fast path (issue 39,
+#     scripts/gpu_profiles.sh) up to 585 s from the start;
+#   PART=2: the estimator section (issue 42's single-GPU rows, 110 s), then with
+#     EXPERIMENT_S=N an experiment at GPU scale (issue 44).
+# The nccl section has a record (2026-11-28); add it back with EXTRA=nccl=80.
+# Run from a clean, stamped commit (here: `make gpu-stamp && make gpu-wheels`, commit
+# nothing after), carrying `.whl`:
 #   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=595)
+#   run(command="PART=2 EXPERIMENT_S=120 bash scripts/gpu_session.sh", carry=[".whl"], ...)
 # What comes back under $OUT: the pass's gpu_pass.json/.md/.log, profiles.tgz (each
 # profile's report and profile.json; not the Chrome traces, which pass the return's 16 MiB)
 # and experiments.tgz (the experiment's job records). Commit the pass's record under
 # docs/gpu_pass/<date>-<device>-<what>/, the profiles beside it, and the experiment records
 # with `python -m experiments publish DIR`, then `make gpu-publish`.
-# Limits: speed 245 s, nccl 80 s, estimator 55 s, rehearse 80 s, then the four profiles
-# (30 s each for gpt2-small, 50 for llama-1b, at most) up to 585 s from the start;
-# EXPERIMENT_S=N (default 0) adds the experiment.
 set -u
 out=${OUT:?the device tool sets OUT}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1
-python3 -m benchmarks.gpu_pass --only speed,nccl,estimator,rehearse --limit speed=245 \
-    --limit nccl=80 --limit estimator=55 --limit rehearse=80 --out "$out/pass"
-
-# The step's profile before and after the fast path (scripts/gpu_profiles.sh).
-SECONDS_AT_START=$SECONDS bash scripts/gpu_profiles.sh "$out" 585
+extra=${EXTRA:+,${EXTRA%%=*}}
+limits=()
+[ -n "${EXTRA:-}" ] && limits=(--limit "$EXTRA")
+if [ "${PART:-1}" = 1 ]; then
+    python3 -m benchmarks.gpu_pass --only "speed,rehearse$extra" --limit speed=300 \
+        --limit rehearse=80 ${limits[@]+"${limits[@]}"} --out "$out/pass"
+    SECONDS_AT_START=$SECONDS bash scripts/gpu_profiles.sh "$out" 585
+    exit 0
+fi
+python3 -m benchmarks.gpu_pass --only "estimator$extra" --limit estimator=110 \
+    ${limits[@]+"${limits[@]}"} --out "$out/pass"
 
 experiment_s=${EXPERIMENT_S:-0}
 [ "$experiment_s" -gt 0 ] || exit 0
