@@ -18,13 +18,15 @@ gpt2="model=gpt2-small model.vocab_size=50257 train.micro_batch_size=16 data.seq
 llama="model=llama-1b model.n_layers=4 model.vocab_size=128256 train.micro_batch_size=4 data.seq_len=2048"
 before="attention=sdpa train.fused_loss=off model.vocab_multiple=1 data.prefetch=0"
 after="attention=auto train.fused_loss=liger model.vocab_multiple=128 data.prefetch=2"
+work=${TMPDIR:-/tmp}/profiles
+rm -rf "$work"
 declare -A most=([gpt2]=30 [llama]=50)  # seconds; llama's first call did not end in 30
 for shape in gpt2 llama; do
     for when in after before; do
         left=$(( end_s - $(elapsed) ))
         limit=$(( left < ${most[$shape]} ? left : ${most[$shape]} ))
         [ "$limit" -ge 10 ] || { echo "profile $shape $when: not run, past $end_s s"; continue; }
-        dir=/tmp/profiles/$shape-$when
+        dir=$work/$shape-$when
         mkdir -p "$dir"
         # shellcheck disable=SC2086 # the overrides are words
         PYTHONFAULTHANDLER=1 timeout -s ABRT "$limit" python3 -m benchmarks.profile_step \
@@ -34,4 +36,5 @@ for shape in gpt2 llama; do
         rm -f "$dir/trace.json"
     done
 done
-tar czf "$out/profiles.tgz" -C /tmp/profiles .
+mkdir -p "$work"
+tar czf "$out/profiles.tgz" -C "$work" .
