@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The prepared script for a GPU session's device calls, in the order the open issues ask.
 # A session has 15 minutes of device time and one call runs 10 at most, so it is two calls:
-#   PART=1 (default): the speed section (issue 39, 300 s), the llama3-8b rehearsals (issue
+#   PART=1 (default): the speed section (issue 39, 340 s), the llama3-8b rehearsals (issue
 #     42, 80 s), then the step's profiles before and after the fast path (issue 39,
 #     scripts/gpu_profiles.sh) up to 585 s from the start;
 #   PART=2: the estimator section (issue 42's single-GPU rows, 110 s), then with
 #     EXPERIMENT_S=N an experiment at GPU scale (issue 44).
-# The nccl section has a record (2026-11-28); add it back with EXTRA=nccl=80.
+# The nccl section has a record (2026-11-28); add it back with EXTRA=nccl=80. RESUME=DIR (a
+# committed record of the same device, e.g. docs/gpu_pass/2026-11-28-h200-session7) keeps
+# its rows of every section whose files are unchanged since, and measures the rest.
 # Run from a clean, stamped commit (here: `make gpu-stamp && make gpu-wheels`, commit
 # nothing after), carrying `.whl`:
 #   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=595)
@@ -24,8 +26,9 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE
 extra=${EXTRA:+,${EXTRA%%=*}}
 limits=()
 [ -n "${EXTRA:-}" ] && limits=(--limit "$EXTRA")
+[ -n "${RESUME:-}" ] && limits+=(--resume "$RESUME")
 if [ "${PART:-1}" = 1 ]; then
-    python3 -m benchmarks.gpu_pass --only "speed,rehearse$extra" --limit speed=300 \
+    python3 -m benchmarks.gpu_pass --only "speed,rehearse$extra" --limit speed=340 \
         --limit rehearse=80 ${limits[@]+"${limits[@]}"} --out "$out/pass"
     SECONDS_AT_START=$SECONDS bash scripts/gpu_profiles.sh "$out" 585
     exit 0

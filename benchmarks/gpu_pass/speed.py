@@ -26,6 +26,7 @@ from benchmarks.gpu_pass.common import (
     Result,
     deadline,
     device,
+    earlier_rows,
     write_partial_rows,
 )
 from benchmarks.gpu_pass.speed_rows import (
@@ -116,13 +117,21 @@ def _ours_or_transformers(
     return run_row(row) if dry else in_fresh_process(row)
 
 
+def _shape_cell(shape: Shape) -> str:
+    return f"{shape.name} {shape.batch}x{shape.seq_len}"
+
+
+def _key_of(row: dict) -> tuple[str, str, bool]:
+    return row["shape"], row["impl"], row["compile"]
+
+
 def table_row(key: tuple[str, str, bool], shape: Shape, got: dict, peak_flops) -> dict:
     _, impl, compile = key
     per_token = flops_per_token(shape.args(), shape.seq_len)
     tps, peak = got.get("tokens_per_s"), got.get("peak_alloc_bytes")
     kernels = got.get("top_kernels")
     return {
-        "shape": f"{shape.name} {shape.batch}x{shape.seq_len}",
+        "shape": _shape_cell(shape),
         "layers": shape.args().n_layers,
         "impl": impl,
         "compile": compile,
@@ -280,6 +289,11 @@ def run(dry: bool) -> Result:
     ]
     rows: list[dict] = []
     said: set[str] = set()
+    # An earlier call's measured rows on this device (the runner's --resume, where speed's
+    # files are unchanged since): kept, and not measured again.
+    kept = {_key_of(r): r for r in earlier_rows() if r.get("tokens_per_s") is not None}
+    if kept:
+        notes.append(f"kept from an earlier record (--resume): {len(kept)} rows")
     stop_at = deadline(reserve_s=ROW_RESERVE_S)
     with tempfile.TemporaryDirectory() as tmp:
         tokens = {}
@@ -290,6 +304,9 @@ def run(dry: bool) -> Result:
         for key in plan(dry):
             family, impl, compile = key
             shape = shapes[family]
+            if (done := kept.get((_shape_cell(shape), impl, compile))) is not None:
+                rows.append(done)
+                continue
             left = stop_at - time.monotonic()
             if left <= 0:
                 notes.append(
