@@ -71,6 +71,10 @@ def test_the_goals_are_unmeasured_without_rows_and_can_be_missed():
     assert total.met is False
     failed = section._goals([_row()], ["llama3-8b 3D x512: RuntimeError: ..."], dry=False)
     assert not any(g.met for g in failed)
+    # Every case failed (the H200's first rehearse record): missed, not "not measured".
+    every = section._goals([], ["fsdp x64: TypeError", "3D x512: TypeError"], dry=False)
+    assert [g.met for g in every] == [False, False]
+    assert all(g.value == "no case ran: 2 failed" for g in every)
 
 
 def test_a_dry_run_judges_the_states_but_not_the_totals():
