@@ -176,7 +176,8 @@ def _main(
         dist.broadcast_object_list(shared, src=0)
         cfg = dataclasses.replace(cfg, output_dir=shared[0])
         run_log_moves_to(Path(cfg.output_dir))
-    tracker = PeakTracker(device, cfg.train.memory_tracking, cfg.train.peak_tensors)
+    t = cfg.train
+    tracker = PeakTracker(device, t.memory_tracking, t.peak_tensors, t.allocator_blocks)
     lock = RunDirLock(Path(cfg.output_dir))
     try:
         if lock_run_dir:
@@ -438,6 +439,7 @@ _PER_RANK = (
     "memory_peak",
     "memory_peak_by_phase",
     "memory_peak_tensors",
+    "memory_allocator_blocks",
     "cuda_max_allocated_bytes",
 )
 _HIGHEST = ("peak_memory_bytes", "max_peak_memory_bytes", "process_peak_rss_bytes")

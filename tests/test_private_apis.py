@@ -284,6 +284,12 @@ GUARD = {
     },
     # The fake process group of llm.rehearse (and of many tests' fake tp mesh).
     "torch.testing._internal.distributed.fake_pg.FakeStore": Guard("llm/rehearse/rank.py"),
+    # train.allocator_blocks: the CUDA allocator's history of a tracked step, and its trace.
+    **{
+        f"torch.cuda.memory._record_memory_history{kw}": Guard("llm/memory/allocator_blocks.py")
+        for kw in ("", "(context=)", "(device=)", "(enabled=)", "(max_entries=)", "(stacks=)")
+    },
+    "torch.cuda.memory._snapshot": Guard("llm/memory/allocator_blocks.py"),
     # DeepSpeed's process groups: released between runs; the expert groups a benchmark reads.
     f"{DS_GROUPS}._release_process_group_references": Guard("llm/parallel/deepspeed.py"),
     f"{DS_GROUPS}._get_expert_parallel_group": Guard("benchmarks/moe_peer.py"),

@@ -35,6 +35,10 @@ class TrainConfig:
     # line of llm/ that made it (summary.json ``memory_peak_tensors``); 0: not recorded
     # (naming every new storage slows a tracked step).
     peak_tensors: int = 0
+    # On CUDA, the allocator's own record of each tracked step, replayed to its peak: the N
+    # largest blocks live then, each with the line that asked for it (summary.json
+    # ``memory_allocator_blocks``): memory no tensor holds (workspaces) shows here; 0: off.
+    allocator_blocks: int = 0
     # The loss with the LM head fused in, never holding the (B*T, V) fp32 logits at once
     # (llm/train/loss.py): off (logits, then the loss), chunked (plain torch, any device),
     # liger (Liger-Kernel) or cce (Apple's cut-cross-entropy), both Triton on CUDA.
@@ -59,6 +63,10 @@ class TrainConfig:
             )
         if self.peak_tensors < 0:
             raise ConfigError(f"train.peak_tensors={self.peak_tensors} must be >= 0 (0: off)")
+        if self.allocator_blocks < 0:
+            raise ConfigError(
+                f"train.allocator_blocks={self.allocator_blocks} must be >= 0 (0: off)"
+            )
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (0 disables)")
         require_choice("train", "device", self.device, ("auto", "cpu", "cuda"))

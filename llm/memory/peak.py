@@ -36,7 +36,9 @@ Not seen: storages that no op wrote or autograd saved while a window was open (m
 only read, an input batch copied before the step), memory outside tensors (cuBLAS
 workspaces, NCCL buffers, allocator fragmentation), host tensors of a GPU run (offloaded
 optimizer states). The backward's ops run in autograd's device threads on CUDA; autograd
-carries the dispatch mode into them, so they are seen.
+carries the dispatch mode into them, so they are seen. On CUDA, ``blocks`` (train.
+allocator_blocks) adds the allocator's own record of each tracked step, which sees memory
+outside tensors too (llm.memory.allocator_blocks).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from llm.memory.activations import saving_to
+from llm.memory.allocator_blocks import recording
 from llm.memory.live import CATEGORIES, STATE, LiveStorages, OpOutputs
 from llm.memory.process import cuda_peak_bytes, reset_cuda_peak
 
@@ -68,10 +71,16 @@ class PeakTracker:
     total, phase}. On CUDA the allocator's own peak is read beside it (``last_cuda_peak``,
     reset at each step start)."""
 
-    def __init__(self, device: torch.device, mode: str = "logged", tensors: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, mode: str = "logged", tensors: int = 0, blocks: int = 0
+    ) -> None:
         self.device = torch.device(device)
         self.mode = mode
         self.tensors = tensors  # how many of the largest live tensors each peak lists
+        # CUDA: how many of the allocator's largest blocks at each tracked step's peak
+        # (llm.memory.allocator_blocks); best_step_blocks: those of best_step.
+        self.blocks = blocks if self.device.type == "cuda" else 0
+        self.best_step_blocks: list[dict] | None = None
         self._state_fn: StateFn | None = None
         self.live = LiveStorages(self.device, on_high=self._record)
         if tensors:
@@ -115,12 +124,13 @@ class PeakTracker:
         reset_cuda_peak(self.device)
         self.last_step = None
         if tracked and self.mode != "off":
-            with self._window("forward"):
+            with recording(self.device, self.blocks) as blocks, self._window("forward"):
                 yield
             self.last_step = {**self._step_peak, **self._step_most}
             if self.best_step is None or self.last_step["total"] > self.best_step["total"]:
                 self.best_step = self.last_step
                 self.best_step_tensors = self._step_tensors
+                self.best_step_blocks = blocks or None
         else:
             yield
         self.last_cuda_peak = self._read_cuda_peak()

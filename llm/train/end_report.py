@@ -65,6 +65,10 @@ def memory_summary(tracker: PeakTracker, device: torch.device) -> dict:
         "memory_peak_tensors": None
         if tracker.best_step_tensors is None
         else {str(i): t for i, t in enumerate(tracker.best_step_tensors, 1)},
+        # train.allocator_blocks (CUDA): the allocator's largest blocks at best_step's peak
+        "memory_allocator_blocks": None
+        if tracker.best_step_blocks is None
+        else {str(i): b for i, b in enumerate(tracker.best_step_blocks, 1)},
         "peak_memory_bytes": tracker.cuda_step_peak if on_cuda else _total(best),
         "max_peak_memory_bytes": tracker.cuda_run_peak if on_cuda else phase_max,
         "cuda_max_allocated_bytes": tracker.cuda_step_peak,

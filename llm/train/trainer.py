@@ -155,7 +155,7 @@ class Trainer:
         self._rank_peaks: list[tuple[dict | None, int | None]] = []
         # llm.run hands over the tracker that measured start-up, so the run has one.
         self.tracker = tracker or PeakTracker(
-            device, cfg.train.memory_tracking, cfg.train.peak_tensors
+            device, cfg.train.memory_tracking, cfg.train.peak_tensors, cfg.train.allocator_blocks
         )
         self.tracker.watch(strategy.state_tensors)
         self.resumed_from = None  # the checkpoint this invocation started from

@@ -74,6 +74,12 @@ def validate(cfg: Config, world_size: int | None = None, rank_env: RankEnv | Non
         # deepseek's 128x128 blocks refuse a shape here, before any rank starts (meta: free).
         convert_to_fp8(build_model(args), precision.fp8_recipe)
 
+    if cfg.train.allocator_blocks and device.type != "cuda":
+        raise ConfigError(
+            f"train.allocator_blocks={cfg.train.allocator_blocks} reads the CUDA allocator's "
+            f"record and this run is on {device.type}; use train.peak_tensors=N (the live "
+            "tensors, any device) or run on a GPU"
+        )
     nproc = world_size or cfg.launcher.nproc_per_node
     if device.type == "cuda" and world_size is None and nproc > torch.cuda.device_count():
         raise ConfigError(
