@@ -4,8 +4,11 @@
 #   PART=1 (default): the speed section (issue 39, 340 s), the llama3-8b rehearsals (issue
 #     42, 80 s), then the step's profiles before and after the fast path (issue 39,
 #     scripts/gpu_profiles.sh) up to 585 s from the start;
-#   PART=2: the estimator section (issue 42's single-GPU rows, 110 s), then with
-#     EXPERIMENT_S=N an experiment at GPU scale (issue 44).
+#   PART=2: the estimator section (issue 42's single-GPU rows, 100 s), then train.py's own
+#     Trainer on gpt2-small 16 x 1024, compiled in each of TRAINER_MODES (default
+#     "default reduce-overhead"; issue 39's compile modes and data_wait_share, 65 s each,
+#     summary.json and the log back as trainer-MODE.json/.log), then with EXPERIMENT_S=N an
+#     experiment at GPU scale (issue 44).
 # The nccl section has a record (2026-11-28); add it back with EXTRA=nccl=80. RESUME=DIR (a
 # committed record of the same device, e.g. docs/gpu_pass/2026-11-28-h200-session7) keeps
 # its rows of every section whose files are unchanged since, and measures the rest.
@@ -33,8 +36,21 @@ if [ "${PART:-1}" = 1 ]; then
     SECONDS_AT_START=$SECONDS bash scripts/gpu_profiles.sh "$out" 585
     exit 0
 fi
-python3 -m benchmarks.gpu_pass --only "estimator$extra" --limit estimator=110 \
+python3 -m benchmarks.gpu_pass --only "estimator$extra" --limit estimator=100 \
     ${limits[@]+"${limits[@]}"} --out "$out/pass"
+
+# The fast path in the Trainer itself: its loader (data_wait_share), fused AdamW, the
+# padded head and the compiled model and loss, timed by the Trainer's own timed steps.
+for mode in ${TRAINER_MODES-default reduce-overhead}; do
+    run=/tmp/trainer-$mode
+    timeout 65 python3 train.py model=gpt2-small model.vocab_size=50257 \
+        model.vocab_multiple=128 data.seq_len=1024 train.micro_batch_size=16 \
+        train.compile=true train.compile_mode="$mode" train.max_steps=40 train.log_every=10 \
+        train.eval_every=1000 checkpoint.enabled=false logger=none output_dir="$run" \
+        > "$out/trainer-$mode.log" 2>&1
+    echo "trainer $mode: exit $?"
+    cp "$run/summary.json" "$out/trainer-$mode.json" 2>/dev/null
+done
 
 experiment_s=${EXPERIMENT_S:-0}
 [ "$experiment_s" -gt 0 ] || exit 0
