@@ -42,6 +42,7 @@ GOAL = 0.03
 # its rows are the ones no record since the first has measured.
 GPU = {"models": [("llama-1b", 4), ("gpt2-medium", 8), ("gpt2-small", 8)], "seq_len": 1024}
 DRY = {"models": [("gpt2-tiny", 4)], "seq_len": 64}
+BLOCKS = 6  # train.allocator_blocks of each GPU row
 
 
 def compose_config(overrides: list[str]):
@@ -73,9 +74,6 @@ def corpus_overrides(work: Path) -> list[str]:
         "data.vocab_size=4096",
         "data.val_samples=2",
     ]
-
-
-BLOCKS = 6  # train.allocator_blocks of each GPU row
 
 
 def overrides(work: Path, model: str, batch: int, policy: str, seq_len: int, dry: bool):

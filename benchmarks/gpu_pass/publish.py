@@ -7,9 +7,9 @@ pass's tables into the docs, each in place of its block
 
 in the page ``PAGES`` names, dated, with the device, the record and its commit named.
 Without ``--out`` it reads every record committed under docs/gpu_pass/ (oldest first: by
-the date its folder's name begins with, then by its commit's time) and a section none of them holds is "pending"; with ``--out`` only the records
-named (two parts run apart, or a rerun of one section), and the other blocks stay as they
-are. Records are read in order: a section's entry from a later record replaces an earlier
+the date its folder's name begins with, then by its commit's time) and a section none of
+them holds is "pending"; with ``--out`` only the records named (two parts run apart, or a
+rerun of one section), and the other blocks stay as they are. Records are read in order: a section's entry from a later record replaces an earlier
 one's, unless the later one has no rows and the earlier one has.
 
 Refused, in one line and before any page is written: a dry run's record (its figures are

@@ -21,11 +21,13 @@ def _collections_paused():
     """The profiler's parse makes an object per event, hundreds of thousands on a GPU:
     the collections they set off scan them all again and again (an H200 profile of
     gpt2-small was still parsing after 30 s, in a collection)."""
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()
 
 
 def figures(windows, overrides: list[str], summary: dict) -> dict:

@@ -108,15 +108,16 @@ class Transformer(nn.Module):
         self,
         input_ids: Tensor,
         doc_ids: Tensor | None = None,
-        head: Callable[[Tensor, Tensor], Tensor] | None = None,
+        head: Callable[[Tensor, Tensor, int | None], Tensor] | None = None,
     ) -> Tensor:
         """input_ids (B, T) int64 -> logits (B, T, V) in the compute dtype (the trainer upcasts
         for the loss, so fp32 logits are not materialised twice). ``doc_ids`` (B, T): the
         packed document of each token; given, attention stays inside documents. ``head``:
         returns ``head(hidden (B, T, d) after the final norm, output.weight (V, d), the
-        tokenizer's vocabulary where V is padded past it, else None)`` in place of the logits (a fused loss, llm/train/loss.py); called here, inside forward,
-        so that wrappers gathering or hooking parameters around forward (FSDP2's root, our
-        ZeRO-3, DDP) see the head weight used as the output projection would use it."""
+        tokenizer's vocabulary where V is padded past it, else None)`` in place of the
+        logits (a fused loss, llm/train/loss.py); called here, inside forward, so that
+        wrappers gathering or hooking parameters around forward (FSDP2's root, our ZeRO-3,
+        DDP) see the head weight used as the output projection would use it."""
         t = input_ids.size(1)
         if t > self.args.max_seq_len:
             raise ConfigError(
